@@ -23,11 +23,7 @@ def _register() -> None:
         return
     try:
         from torchbridge.device import backend
-    except ModuleNotFoundError as e:  # the backend is not built yet in this checkout
-        if e.name and e.name.startswith("torchbridge.device"):
-            return
-        raise
-    try:
+
         backend.register(device_name())
     except Exception as e:  # noqa: BLE001 - keep the engine and router usable without the bridge
         _error = e
