@@ -1,0 +1,428 @@
+"""Eager execution: every ATen op that reaches the device runs here.
+
+For each call we build a key from the op, the tensor views (shape, strides, offset, dtype, which
+arguments share a storage), the static arguments and the *types* of scalar arguments. The first
+call with a key asks PyTorch's meta kernel for the output shapes/dtypes (so promotion, broadcasting
+and error checks are PyTorch's own), then traces one JAX program that reads the input views from
+their flat storage buffers, runs the lowering, writes in-place/out= results back into new storage
+buffers and lays out the new outputs. Later calls with the same key only run that compiled program.
+Scalar values are program inputs, so a new scalar value never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchbridge.device import dtypes, views
+from torchbridge.device.lowerings import registry
+from torchbridge.device.state import STATE
+
+_T, _S, _L, _C = 0, 1, 2, 3  # argument encodings: tensor, dynamic scalar, list, constant
+_NUMBER = torch._C.NumberType.get()
+
+
+class UnsupportedOp(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class OpInfo_:
+    """What we know about an op from its schema alone (cached per OpOverload)."""
+
+    lowering: registry.Lowering | None
+    arg_names: tuple[str, ...]
+    dynamic: frozenset[str]  # Scalar-typed args passed as traced values
+    mutated: tuple[str, ...]  # args written by the op (in-place self, out=, running stats)
+    out_args: tuple[str, ...]  # kwarg-only out= args, stripped before calling the lowering
+    inplace: bool
+
+
+_op_infos: dict[Any, OpInfo_] = {}
+
+
+def op_info(op: torch._ops.OpOverload) -> OpInfo_:
+    info = _op_infos.get(op)
+    if info is None:
+        schema = op._schema
+        lowering = registry.find(op)
+        static = set(lowering.static) if lowering else set()
+        dynamic = set()
+        mutated, out_args = [], []
+        for a in schema.arguments:
+            t = a.type
+            inner = t.getElementType() if isinstance(t, torch._C.OptionalType) else t
+            if inner == _NUMBER and a.name not in static:
+                dynamic.add(a.name)
+            if a.alias_info is not None and a.alias_info.is_write:
+                mutated.append(a.name)
+                if a.kwarg_only and a.is_out:
+                    out_args.append(a.name)
+        inplace = bool(mutated) and not out_args and mutated[0] == schema.arguments[0].name and (
+            registry.functional_name(op) != schema.name.split("::")[-1]
+        )
+        info = OpInfo_(lowering, tuple(a.name for a in schema.arguments), frozenset(dynamic), tuple(mutated),
+                       tuple(out_args), inplace)
+        _op_infos[op] = info
+    return info
+
+
+# ---- argument encoding --------------------------------------------------------------------------
+
+class _Call:
+    """One call's arguments split into device tensors, host scalars and static structure."""
+
+    __slots__ = ("tensors", "scalars", "hosts", "struct", "kw_struct")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.scalars: list[Any] = []
+        self.hosts: list[torch.Tensor] = []
+
+    def encode(self, value: Any, dynamic: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            self.tensors.append(value)
+            return (_T, len(self.tensors) - 1)
+        if dynamic and type(value) in (int, float, bool):
+            self.scalars.append(value)
+            return (_S, len(self.scalars) - 1, type(value))
+        if isinstance(value, (list, tuple)):
+            if any(isinstance(v, torch.Tensor) for v in value):
+                return (_L, tuple(self.encode(v, False) for v in value))
+            return (_C, tuple(value))
+        return (_C, value)
+
+
+def _decode(enc: Any, tensors: list, scalars: list) -> Any:
+    kind = enc[0]
+    if kind == _T:
+        return tensors[enc[1]]
+    if kind == _S:
+        return scalars[enc[1]]
+    if kind == _L:
+        return [_decode(e, tensors, scalars) for e in enc[1]]
+    value = enc[1]
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _encode_call(info: OpInfo_, args: tuple, kwargs: dict) -> tuple[_Call, tuple, tuple]:
+    call = _Call()
+    names = info.arg_names
+    pos = tuple(call.encode(a, names[i] in info.dynamic if i < len(names) else False) for i, a in enumerate(args))
+    kw = tuple((k, call.encode(v, k in info.dynamic)) for k, v in kwargs.items())
+    return call, pos, kw
+
+
+# ---- tensor classification ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _DeviceArg:
+    slot: int
+    spec: views.ViewSpec
+    dtype: jnp.dtype
+
+
+def _device_mismatch(a: torch.device, b: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!"
+    )
+
+
+def _classify(op: Any, call: _Call, device_type: str, allow_host: bool) -> tuple[list, list, list, torch.device | None]:
+    """Per tensor: a _DeviceArg or a host descriptor. Returns (descs, storage keys, storage infos, device)."""
+    descs: list[Any] = []
+    slots: dict[int, int] = {}
+    keys: list[int] = []
+    storages: list[tuple[int, int]] = []  # (nbytes, device index)
+    device: torch.device | None = None
+    host_scalars: list[int] = []
+    for i, t in enumerate(call.tensors):
+        dev = t.device
+        if dev.type == device_type:
+            if device is None:
+                device = dev
+            elif dev != device:
+                raise _device_mismatch(device, dev)
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            slot = slots.get(key)
+            if slot is None:
+                slot = len(keys)
+                slots[key] = slot
+                keys.append(key)
+                storages.append((storage.nbytes(), dev.index or 0))
+            descs.append(_DeviceArg(slot, views.ViewSpec(tuple(t.shape), tuple(t.stride()), t.storage_offset()),
+                                    dtypes.to_jax(t.dtype)))
+        elif dev.type == "cpu" and (t.dim() == 0 or allow_host):
+            # CUDA accepts 0-dim CPU tensors as scalars; we pass them as (weakly typed) values.
+            if t.dim() == 0 and not allow_host:
+                descs.append(("scalar", t.dtype))
+                host_scalars.append(i)
+            else:
+                descs.append(("host", tuple(t.shape), dtypes.to_jax(t.dtype)))
+        else:
+            other = device or torch.device(device_type, 0)
+            raise _device_mismatch(other, dev)
+    return descs, keys, storages, device
+
+
+# ---- the compiled program ----------------------------------------------------------------------
+
+@dataclass
+class _Program:
+    fn: Any  # jitted
+    writes: tuple[int, ...]  # storage slots returned updated, in order
+    outputs: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]  # new tensors: shape, strides, dtype
+    out_struct: Any  # how to rebuild the return value
+    random: bool
+    resize: dict[str, Any] | None = None  # out= args that must be resized first (then the call is redone)
+
+
+_programs: dict[Any, _Program] = {}
+_lock = threading.RLock()
+compile_counter: Counter[str] = Counter()
+cpu_fallback_counter: Counter[str] = Counter()
+
+
+def _meta_tensor(t: torch.Tensor, desc: Any) -> torch.Tensor:
+    if isinstance(desc, _DeviceArg):
+        return torch.empty_strided(desc.spec.shape, desc.spec.strides, dtype=t.dtype, device="meta")
+    return t
+
+
+def _flatten_result(res: Any, leaves: list) -> Any:
+    if isinstance(res, torch.Tensor):
+        leaves.append(res)
+        return ("t", len(leaves) - 1)
+    if isinstance(res, (list, tuple)):
+        return ("l" if isinstance(res, list) else "u", tuple(_flatten_result(r, leaves) for r in res))
+    return ("c", res)
+
+
+def _rebuild(struct: Any, leaves: list) -> Any:
+    kind, v = struct
+    if kind == "t":
+        return leaves[v]
+    if kind == "l":
+        return [_rebuild(s, leaves) for s in v]
+    if kind == "u":
+        return tuple(_rebuild(s, leaves) for s in v)
+    return v
+
+
+def _as_list(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        out = []
+        for v in x:
+            out.extend(_as_list(v))
+        return out
+    return [x]
+
+
+def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list, storages: list,
+           buffer_dtypes: tuple) -> _Program:
+    # 1. Output metadata from PyTorch's meta kernels.
+    meta_tensors = [_meta_tensor(t, d) for t, d in zip(call.tensors, descs, strict=True)]
+    meta_args = tuple(_decode(e, meta_tensors, call.scalars) for e in pos)
+    meta_kwargs = {k: _decode(e, meta_tensors, call.scalars) for k, e in kw}
+    before = {n: _shapes(meta_kwargs[n]) for n in info.out_args if n in meta_kwargs}
+    meta_res = op(*meta_args, **meta_kwargs)
+    resize = {n: _shapes(meta_kwargs[n]) for n in before if _shapes(meta_kwargs[n]) != before[n]}
+    if resize:
+        return _Program(None, (), [], None, False, resize)
+
+    # Which tensor slots are written, and with which result leaf.
+    arg_values = dict(zip(info.arg_names, pos, strict=False))
+    arg_values.update(dict(kw))
+    written: list[tuple[list[int], str]] = []  # (tensor indices, source) source: "result" or "mutates:<name>"
+    if info.out_args:
+        for name in info.out_args:
+            written.append((_tensor_indices(arg_values[name]), "result"))
+    elif info.inplace:
+        written.append((_tensor_indices(arg_values[info.mutated[0]]), "result"))
+    extra = [m for m in info.mutated if m not in info.out_args and not (info.inplace and m == info.mutated[0])]
+    for name in extra:
+        if name in arg_values and arg_values[name][0] != _C:
+            written.append((_tensor_indices(arg_values[name]), f"mutates:{name}"))
+
+    leaves: list[torch.Tensor] = []
+    out_struct = _flatten_result(meta_res, leaves)
+    new_outputs = [] if (info.out_args or info.inplace) else [(tuple(m.shape), tuple(m.stride()), m.dtype) for m in leaves]
+    lowering = info.lowering
+    storage_numel = [nbytes for nbytes, _ in storages]
+
+    out_shapes = [tuple(m.shape) for m in leaves]
+    out_dtypes = [dtypes.to_jax(m.dtype) for m in leaves]
+    write_slots = sorted({descs[i].slot for idx, _ in written for i in idx})
+
+    def program(bufs, scalars, hosts, host_scalars, rng):
+        bufs = list(bufs)
+        typed: dict[tuple[int, Any], Any] = {}
+
+        def storage_as(slot, dtype):
+            k = (slot, dtype)
+            if k not in typed:
+                typed[k] = views.bitcast_flat(bufs[slot], dtype, storage_numel[slot] // jnp.dtype(dtype).itemsize)
+            return typed[k]
+
+        values, host_i, scalar_i = [], 0, 0
+        for d in descs:
+            if isinstance(d, _DeviceArg):
+                values.append(views.read(storage_as(d.slot, d.dtype), d.spec))
+            elif d[0] == "scalar":
+                values.append(host_scalars[scalar_i])
+                scalar_i += 1
+            else:
+                values.append(hosts[host_i])
+                host_i += 1
+        args = tuple(_decode(e, values, list(scalars)) for e in pos)
+        kwargs = {k: _decode(e, values, list(scalars)) for k, e in kw if k not in info.out_args}
+        key = None if rng is None else jax.random.fold_in(jax.random.key(rng[0]), rng[1])
+        c = registry.TraceContext(out_shapes=out_shapes, out_dtypes=out_dtypes, rng=key)
+        with registry.tracing(c):
+            res = lowering.fn(*args, **kwargs)
+        mutations = {}
+        if lowering.mutates:
+            res, mutations = res
+        res_leaves = _as_list(res)
+        # Writes into existing storages (in-place, out=, running stats).
+        for idx, source in written:
+            src = res_leaves if source == "result" else _as_list(mutations[source.split(":", 1)[1]])
+            for j, ti in enumerate(idx):
+                d = descs[ti]
+                cur = storage_as(d.slot, d.dtype)
+                val = jnp.asarray(src[j]).astype(d.dtype) if d.dtype != jnp.bool_ else jnp.asarray(src[j]) != 0
+                typed.clear()
+                bufs[d.slot] = views.write(cur, d.spec, val)
+        new = []
+        for (shape, strides, dt), r in zip(new_outputs, res_leaves if new_outputs else [], strict=True):
+            jdt = dtypes.to_jax(dt)
+            r = jnp.asarray(r)
+            r = (r != 0) if jdt == jnp.bool_ and r.dtype != jnp.bool_ else r.astype(jdt)
+            r = jnp.broadcast_to(r, shape)
+            numel = _storage_numel(shape, strides)
+            new.append(views.layout(r, views.ViewSpec(shape, strides, 0), numel))
+        return tuple(bufs[s] for s in write_slots), tuple(new)
+
+    compile_counter[str(op)] += 1
+    return _Program(jax.jit(program), tuple(write_slots), new_outputs, out_struct, lowering.random)
+
+
+def _shapes(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape)
+    return tuple(_shapes(x) for x in v)
+
+
+def _resize_outs(value: Any, shapes: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        value.resize_(shapes)
+    else:
+        for v, s in zip(value, shapes, strict=True):
+            _resize_outs(v, s)
+
+
+def _storage_numel(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+
+
+def _tensor_indices(enc: Any) -> list[int]:
+    if enc[0] == _T:
+        return [enc[1]]
+    if enc[0] == _L:
+        return [i for e in enc[1] for i in _tensor_indices(e)]
+    return []
+
+
+# ---- the entry point ---------------------------------------------------------------------------
+
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    info = op_info(op)
+    if info.lowering is None:
+        raise UnsupportedOp(str(op))
+    call, pos, kw = _encode_call(info, args, kwargs)
+    device_type = STATE.name
+    descs, keys, storages, device = _classify(op, call, device_type, allow_host=op in _HOST_OK)
+    if device is None:
+        device = _factory_device(kwargs, device_type)
+    dev_index = device.index or 0
+    jdev = STATE.jax_device(dev_index)
+    # Host tensors: 0-dim ones become (weakly typed) scalar values, others arrays on the device.
+    hosts, host_scalars = [], []
+    for i, d in enumerate(descs):
+        if isinstance(d, tuple):
+            if d[0] == "scalar":
+                host_scalars.append(call.tensors[i].item())
+            else:
+                hosts.append(jax.device_put(dtypes.host_to_numpy(call.tensors[i]), jdev))
+    bufs = []
+    buffer_dtypes = []
+    for slot, key in enumerate(keys):
+        first = next(d for d in descs if isinstance(d, _DeviceArg) and d.slot == slot)
+        buf = STATE.table.get_or_zeros(key, storages[slot][0], first.dtype, jdev)
+        bufs.append(buf)
+        buffer_dtypes.append(buf.dtype)
+    cache_key = (op, pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
+                 tuple(type(s) for s in call.scalars), tuple(type(s) for s in host_scalars), dev_index)
+    program = _programs.get(cache_key)
+    if program is None:
+        with _lock:
+            program = _build(op, info, call, pos, kw, descs, storages, tuple(buffer_dtypes))
+            _programs[cache_key] = program
+    if program.resize:
+        for name, shapes in program.resize.items():
+            _resize_outs(kwargs[name], shapes)
+        return run(op, args, kwargs)
+    rng = STATE.next_rng(dev_index) if program.random else None
+    with jax.default_device(jdev):
+        updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
+    for slot, buf in zip(program.writes, updated, strict=True):
+        STATE.table.set(keys[slot], buf)
+    if info.out_args or info.inplace:
+        names = info.out_args or (info.mutated[0],)
+        vals = [args[info.arg_names.index(n)] if n not in kwargs else kwargs[n] for n in names]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+    outs = []
+    for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):
+        t = torch.empty_strided(shape, strides, dtype=dt, device=device)
+        STATE.table.set(t.untyped_storage().data_ptr(), buf)
+        outs.append(t)
+    return _rebuild(program.out_struct, outs)
+
+
+def _factory_device(kwargs: dict, device_type: str) -> torch.device:
+    dev = kwargs.get("device")
+    if dev is None:
+        return torch.device(device_type, STATE.current_device)
+    dev = torch.device(dev)
+    return dev if dev.index is not None else torch.device(device_type, STATE.current_device)
+
+
+_HOST_OK: set[Any] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+_warned: set[str] = set()
+
+
+def cache_info() -> dict[str, Any]:
+    return {"programs": len(_programs), "compiles": sum(compile_counter.values())}
+
+
+def clear_cache() -> None:
+    _programs.clear()

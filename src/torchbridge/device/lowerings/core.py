@@ -1,0 +1,309 @@
+"""Core lowerings: copies, creation, arithmetic, matmul, reductions used by nearly every model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torchbridge.device.lowerings.registry import ctx, lower
+
+
+def out_dtype(i: int = 0):
+    return ctx().out_dtypes[i]
+
+
+def out_shape(i: int = 0):
+    return ctx().out_shapes[i]
+
+
+def _cast_all(*xs, dtype):
+    return [jnp.asarray(x).astype(dtype) if x is not None else None for x in xs]
+
+
+# ---- copies and creation ----
+@lower("copy")
+def copy(self, src, non_blocking=False):
+    return jnp.broadcast_to(jnp.asarray(src), self.shape)
+
+
+@lower("clone", "alias_copy", "lift_fresh_copy", "_to_copy", "contiguous")
+def clone(self, *args, **kwargs):
+    return self
+
+
+@lower("fill")
+def fill(self, value):
+    return jnp.full(self.shape, value)
+
+
+@lower("zero")
+def zero(self):
+    return jnp.zeros(self.shape, self.dtype)
+
+
+@lower("full")
+def full(size, fill_value, **kwargs):
+    return jnp.full(out_shape(), fill_value)
+
+
+@lower("arange")
+def arange(*args, **kwargs):
+    # Scalars may be traced, the length comes from the meta kernel.
+    nums = [a for a in args if not isinstance(a, (list, tuple))]
+    start, step = 0, 1
+    if len(nums) == 1:
+        (end,) = nums
+    elif len(nums) == 2:
+        start, end = nums
+    else:
+        start, end, step = nums[:3]
+    n = out_shape()[0]
+    dt = out_dtype()
+    if jnp.issubdtype(dt, jnp.integer):
+        return (jnp.asarray(start) + jnp.asarray(step) * jnp.arange(n)).astype(dt)
+    return jnp.asarray(start, jnp.float64) + jnp.asarray(step, jnp.float64) * jnp.arange(n, dtype=jnp.float64)
+
+
+# ---- elementwise arithmetic ----
+def _promote(a, b):
+    dt = out_dtype()
+    if dt == jnp.bool_:
+        return a, b
+    return _cast_all(a, b, dtype=dt)
+
+
+@lower("add")
+def add(a, b, alpha=1):
+    a, b = _promote(a, b)
+    if out_dtype() == jnp.bool_:
+        return jnp.logical_or(a, b)
+    return a + b * alpha if not (isinstance(alpha, int) and alpha == 1) else a + b
+
+
+@lower("sub")
+def sub(a, b, alpha=1):
+    a, b = _promote(a, b)
+    return a - b * alpha if not (isinstance(alpha, int) and alpha == 1) else a - b
+
+
+@lower("rsub")
+def rsub(a, b, alpha=1):
+    a, b = _promote(a, b)
+    return b - a * alpha
+
+
+@lower("mul")
+def mul(a, b):
+    if out_dtype() == jnp.bool_:
+        return jnp.logical_and(a, b)
+    a, b = _promote(a, b)
+    return a * b
+
+
+@lower("div")
+def div(a, b, rounding_mode=None):
+    dt = out_dtype()
+    if rounding_mode is None:
+        a, b = _cast_all(a, b, dtype=dt)
+        return a / b
+    a, b = _cast_all(a, b, dtype=dt)
+    if rounding_mode == "trunc":
+        if jnp.issubdtype(dt, jnp.integer):
+            return lax.div(a, b)
+        return jnp.trunc(a / b)
+    if jnp.issubdtype(dt, jnp.integer):
+        return jnp.floor_divide(a, b)
+    return jnp.floor(a / b)
+
+
+@lower("neg")
+def neg(a):
+    return -a
+
+
+@lower("reciprocal")
+def reciprocal(a):
+    return 1 / a.astype(out_dtype())
+
+
+@lower("pow")
+def pow_(a, b):
+    dt = out_dtype()
+    a, b = _cast_all(a, b, dtype=dt)
+    return jnp.power(a, b)
+
+
+@lower("sqrt")
+def sqrt(a):
+    return jnp.sqrt(a.astype(out_dtype()))
+
+
+@lower("rsqrt")
+def rsqrt(a):
+    return lax.rsqrt(a.astype(out_dtype()))
+
+
+@lower("exp")
+def exp(a):
+    return jnp.exp(a.astype(out_dtype()))
+
+
+@lower("log")
+def log(a):
+    return jnp.log(a.astype(out_dtype()))
+
+
+@lower("tanh")
+def tanh(a):
+    return jnp.tanh(a.astype(out_dtype()))
+
+
+@lower("sigmoid")
+def sigmoid(a):
+    return jax.nn.sigmoid(a.astype(out_dtype()))
+
+
+@lower("sin")
+def sin(a):
+    return jnp.sin(a.astype(out_dtype()))
+
+
+@lower("cos")
+def cos(a):
+    return jnp.cos(a.astype(out_dtype()))
+
+
+@lower("abs")
+def abs_(a):
+    return jnp.abs(a)
+
+
+@lower("relu")
+def relu(a):
+    return jnp.maximum(a, jnp.zeros((), a.dtype))
+
+
+@lower("gelu")
+def gelu(a, approximate="none"):
+    return jax.nn.gelu(a, approximate=approximate == "tanh")
+
+
+@lower("silu")
+def silu(a):
+    return jax.nn.silu(a)
+
+
+@lower("where")
+def where(cond, a, b):
+    dt = out_dtype()
+    return jnp.where(cond, jnp.asarray(a).astype(dt), jnp.asarray(b).astype(dt))
+
+
+@lower("eq")
+def eq(a, b):
+    return a == b
+
+
+@lower("ne")
+def ne(a, b):
+    return a != b
+
+
+@lower("lt")
+def lt(a, b):
+    return a < b
+
+
+@lower("le")
+def le(a, b):
+    return a <= b
+
+
+@lower("gt")
+def gt(a, b):
+    return a > b
+
+
+@lower("ge")
+def ge(a, b):
+    return a >= b
+
+
+@lower("maximum")
+def maximum(a, b):
+    return jnp.maximum(*_promote(a, b))
+
+
+@lower("minimum")
+def minimum(a, b):
+    return jnp.minimum(*_promote(a, b))
+
+
+@lower("logical_not")
+def logical_not(a):
+    return jnp.logical_not(a)
+
+
+@lower("bitwise_not")
+def bitwise_not(a):
+    return jnp.logical_not(a) if a.dtype == jnp.bool_ else jnp.invert(a)
+
+
+# ---- matmul ----
+@lower("mm", "bmm", "matmul")
+def mm(a, b):
+    return jnp.matmul(a, b, preferred_element_type=None)
+
+
+@lower("addmm")
+def addmm(bias, a, b, beta=1, alpha=1):
+    prod = jnp.matmul(a, b)
+    if not (isinstance(alpha, int) and alpha == 1):
+        prod = prod * alpha
+    if isinstance(beta, int) and beta == 0:
+        return prod
+    if not (isinstance(beta, int) and beta == 1):
+        bias = bias * beta
+    return bias + prod
+
+
+# ---- reductions ----
+def _dims(dim, ndim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    if isinstance(dim, int):
+        dim = [dim]
+    return tuple(d % ndim if ndim else 0 for d in dim)
+
+
+@lower("sum")
+def sum_(a, dim=None, keepdim=False, *, dtype=None):
+    dt = out_dtype()
+    return jnp.sum(a.astype(dt), axis=_dims(dim, a.ndim), keepdims=keepdim)
+
+
+@lower("mean")
+def mean(a, dim=None, keepdim=False, *, dtype=None):
+    dt = out_dtype()
+    return jnp.mean(a.astype(dt), axis=_dims(dim, a.ndim), keepdims=keepdim)
+
+
+@lower("amax")
+def amax(a, dim=(), keepdim=False):
+    return jnp.max(a, axis=_dims(dim, a.ndim), keepdims=keepdim)
+
+
+@lower("amin")
+def amin(a, dim=(), keepdim=False):
+    return jnp.min(a, axis=_dims(dim, a.ndim), keepdims=keepdim)
+
+
+@lower("_softmax")
+def softmax(a, dim, half_to_float):
+    return jax.nn.softmax(a.astype(out_dtype()), axis=dim)
+
+
+@lower("_log_softmax")
+def log_softmax(a, dim, half_to_float):
+    return jax.nn.log_softmax(a.astype(out_dtype()), axis=dim)

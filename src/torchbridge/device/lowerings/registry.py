@@ -1,0 +1,103 @@
+"""The lowering table: ATen op -> JAX function. Eager and compile both run these same functions.
+
+A lowering takes the op's arguments with tensors replaced by JAX arrays (Python scalars stay scalars,
+possibly traced) and returns JAX arrays. It only has to get the *values* right: output shapes and
+dtypes are fixed by PyTorch's own meta kernels and the caller casts to them, so type promotion and
+broadcasting rules are exactly PyTorch's. Lowerings are registered by op packet name ("add"), so one
+function serves add.Tensor, add.Scalar, the in-place add_ and the out= variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Lowering:
+    fn: Callable[..., Any]
+    random: bool = False  # needs ctx.key(): a fresh PRNG key per call
+    mutates: tuple[str, ...] = ()  # extra mutable args; fn returns (result, {name: new_value})
+    static: tuple[str, ...] = ()  # Scalar args whose value changes the program (not traced)
+
+
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def lower(*ops: Any, random: bool = False, mutates: tuple[str, ...] = (), static: tuple[str, ...] = ()):
+    """Register `fn` as the lowering of each op (an OpOverloadPacket, OpOverload, or name)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            key = op_key(op)
+            if key in LOWERINGS:  # two modules lowering one op would silently shadow each other
+                raise RuntimeError(f"torchbridge: lowering for '{key}' registered twice")
+            LOWERINGS[key] = Lowering(fn, random=random, mutates=mutates, static=static)
+        return fn
+
+    return deco
+
+
+def op_key(op: Any) -> str:
+    if isinstance(op, str):
+        return op
+    if isinstance(op, torch_ops.OpOverload):
+        name = op._schema.name.split("::")[-1]
+        return f"{name}.{op._overloadname}" if op._overloadname != "default" else name
+    return op._qualified_op_name.split("::")[-1]
+
+
+def functional_name(op: Any) -> str:
+    """'add_' -> 'add'; '__iand__' -> '__and__'; other names unchanged."""
+    name = op._schema.name.split("::")[-1]
+    if name.startswith("__i") and name.endswith("__"):
+        return "__" + name[3:]
+    if name.endswith("_") and not name.endswith("__"):
+        return name[:-1]
+    return name
+
+
+def find(op: Any) -> Lowering | None:
+    base = functional_name(op)
+    overload = op._overloadname
+    return LOWERINGS.get(f"{base}.{overload}") or LOWERINGS.get(base)
+
+
+@dataclass
+class TraceContext:
+    """What a lowering may ask about the call being traced."""
+
+    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    out_dtypes: list[jnp.dtype] = field(default_factory=list)
+    rng: Any = None
+    _draws: int = 0
+
+    def key(self) -> jax.Array:
+        if self.rng is None:
+            raise RuntimeError("torchbridge: this lowering was not registered with random=True")
+        self._draws += 1
+        return jax.random.fold_in(self.rng, self._draws)
+
+
+_ctx: list[TraceContext] = []
+
+
+def ctx() -> TraceContext:
+    return _ctx[-1]
+
+
+@contextlib.contextmanager
+def tracing(c: TraceContext) -> Iterator[TraceContext]:
+    _ctx.append(c)
+    try:
+        yield c
+    finally:
+        _ctx.pop()
+
+
+import torch._ops as torch_ops  # noqa: E402  (kept last: only for isinstance checks)

@@ -1,0 +1,278 @@
+"""The PrivateUse1 fallback: route every device op to a lowering, a decomposition, or the CPU.
+
+Order: a few ops need direct handling (cross-device copies, `.item()`, data-dependent shapes); then
+the lowering table (compiled, cached programs, see dispatch.py); then PyTorch's own decompositions;
+then, only if the user opted in, the op runs on the CPU. Otherwise the error names the op and the
+switch that enables CPU fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from torch._decomp import decomposition_table
+
+from torchbridge.device import dispatch, dtypes, views
+from torchbridge.device.lowerings import registry
+from torchbridge.device.state import STATE
+
+aten = torch.ops.aten
+
+_cpu_fallback = os.environ.get("TORCHBRIDGE_CPU_FALLBACK", "0") == "1"
+_local = threading.local()
+
+
+def set_cpu_fallback(enabled: bool) -> None:
+    """Run ops without a lowering on the CPU (copying operands), warning once per op."""
+    global _cpu_fallback
+    _cpu_fallback = bool(enabled)
+
+
+def cpu_fallback_enabled() -> bool:
+    return _cpu_fallback
+
+
+# ---- reading values ----------------------------------------------------------------------------
+
+_readers: dict[Any, Any] = {}
+
+
+def value(t: torch.Tensor) -> jax.Array:
+    """The values of a device tensor as a contiguous JAX array on its device."""
+    STATE.table.drain()
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    jdt = dtypes.to_jax(t.dtype)
+    jdev = STATE.jax_device(t.device.index or 0)
+    buf = STATE.table.get_or_zeros(key, storage.nbytes(), jdt, jdev)
+    spec = views.ViewSpec(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    count = storage.nbytes() // jdt.itemsize
+    rk = (spec, buf.shape, buf.dtype, jdt, count)
+    reader = _readers.get(rk)
+    if reader is None:
+        reader = jax.jit(lambda b: views.read(views.bitcast_flat(b, jdt, count), spec))
+        _readers[rk] = reader
+    return reader(buf)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    return dtypes.numpy_to_host(np.asarray(value(t)), t.dtype).reshape(t.shape)
+
+
+def from_array(arr: jax.Array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new contiguous device tensor holding `arr` (already of the right JAX dtype)."""
+    out = torch.empty(tuple(arr.shape), dtype=dtype, device=device)
+    jdev = STATE.jax_device(device.index or 0)
+    STATE.table.set(out.untyped_storage().data_ptr(), jax.device_put(arr.reshape(-1), jdev))
+    return out
+
+
+# ---- direct handlers -----------------------------------------------------------------------------
+
+DIRECT: dict[Any, Callable[..., Any]] = {}
+
+
+def direct(*ops: Any):
+    def deco(fn):
+        for op in ops:
+            DIRECT[op] = fn
+        return fn
+
+    return deco
+
+
+def _is_dev(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == STATE.name
+
+
+@direct(aten.copy_.default)
+def _copy_(op, args, kwargs):
+    self, src = args[0], args[1]
+    if _is_dev(self):
+        if _is_dev(src) and src.device != self.device:
+            src = to_host(src)  # device -> device through host keeps it simple and correct
+        return dispatch.run(aten.copy_.default, (self, src) + tuple(args[2:]), kwargs)
+    # self on CPU, src on the device
+    self.copy_(to_host(src))
+    return self
+
+
+@direct(aten._copy_from.default)
+def _copy_from(op, args, kwargs):
+    src, dst = args[0], args[1]
+    return _copy_(aten.copy_.default, (dst, src), {})
+
+
+@direct(aten._copy_from_and_resize.default)
+def _copy_from_and_resize(op, args, kwargs):
+    src, dst = args[0], args[1]
+    if dst.shape != src.shape:
+        dst.resize_(src.shape)
+    return _copy_(aten.copy_.default, (dst, src), {})
+
+
+@direct(aten._local_scalar_dense.default)
+def _item(op, args, kwargs):
+    t = args[0]
+    return np.asarray(value(t)).item()
+
+
+@direct(aten.equal.default)
+def _equal(op, args, kwargs):
+    a, b = args
+    if a.shape != b.shape:
+        return False
+    return bool(np.array_equal(np.asarray(value(a)), np.asarray(value(b))))
+
+
+@direct(aten.is_pinned.default)
+def _is_pinned(op, args, kwargs):
+    return False
+
+
+@direct(aten.record_stream.default)
+def _record_stream(op, args, kwargs):
+    return None
+
+
+dispatch._HOST_OK.update({aten.copy_.default, aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._index_put_impl_.default})
+
+
+# ---- data-dependent shapes -------------------------------------------------------------------------
+
+def run_dynamic(op: Any, lowering: registry.Lowering, args: tuple, kwargs: dict) -> Any:
+    """Ops whose output shape depends on values (nonzero, unique, masked_select): run op by op."""
+    device = next(a.device for a in _tensors(args, kwargs) if _is_dev(a))
+    conv = _map_tensors(lambda t: value(t) if _is_dev(t) else jax.numpy.asarray(dtypes.host_to_numpy(t)), args, kwargs)
+    with jax.default_device(STATE.jax_device(device.index or 0)):
+        res = lowering.fn(*conv[0], **conv[1])
+    return _map_results(lambda a: from_array(a, dtypes.to_torch(a.dtype), device), res)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def _map_tensors(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def m(v):
+        if isinstance(v, torch.Tensor):
+            return fn(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(m(x) for x in v)
+        return v
+
+    return tuple(m(a) for a in args), {k: m(v) for k, v in kwargs.items()}
+
+
+def _map_results(fn, res):
+    if isinstance(res, (list, tuple)):
+        return type(res)(_map_results(fn, r) for r in res)
+    return fn(res)
+
+
+# ---- CPU fallback ---------------------------------------------------------------------------------
+
+def run_on_cpu(op: Any, args: tuple, kwargs: dict) -> Any:
+    dispatch.cpu_fallback_counter[str(op)] += 1
+    dispatch.warn_once(str(op), f"torchbridge: {op} has no '{STATE.name}' lowering; running it on the CPU "
+                                "(copying operands each call)")
+    device = next((a.device for a in _tensors(args, kwargs) if _is_dev(a)), None)
+    originals: dict[int, torch.Tensor] = {}
+
+    def to_cpu(t: torch.Tensor) -> torch.Tensor:
+        if not _is_dev(t):
+            return t
+        c = to_host(t)
+        originals[id(c)] = t
+        return c
+
+    cargs, ckwargs = _map_tensors(to_cpu, args, kwargs)
+    res = op(*cargs, **ckwargs)
+    # Write back every argument the op mutates.
+    schema = op._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            cval = ckwargs.get(a.name) if a.name in ckwargs else (cargs[i] if i < len(cargs) else None)
+            for c in (cval if isinstance(cval, (list, tuple)) else [cval]):
+                if isinstance(c, torch.Tensor) and id(c) in originals:
+                    orig = originals[id(c)]
+                    if orig.shape != c.shape:
+                        orig.resize_(c.shape)
+                    orig.copy_(c)
+
+    def back(r):
+        if isinstance(r, torch.Tensor):
+            if id(r) in originals:
+                return originals[id(r)]
+            return r.to(device) if device is not None else r
+        return r
+
+    return _map_results(back, res) if isinstance(res, (torch.Tensor, list, tuple)) else res
+
+
+# ---- the fallback --------------------------------------------------------------------------------
+
+def _unsupported(op: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"torchbridge: operator '{op}' is not implemented for the '{STATE.name}' device. "
+        f"Enable CPU fallback with torchbridge.set_cpu_fallback(True) or TORCHBRIDGE_CPU_FALLBACK=1 "
+        f"(it copies operands to the CPU), or add a lowering in torchbridge/device/lowerings/."
+    )
+
+
+def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    STATE.table.drain()
+    handler = DIRECT.get(op)
+    if handler is not None:
+        return handler(op, args, kwargs)
+    info = dispatch.op_info(op)
+    if info.lowering is not None:
+        if getattr(info.lowering.fn, "dynamic_shape", False):
+            return run_dynamic(op, info.lowering, args, kwargs)
+        return dispatch.run(op, args, kwargs)
+    decomp = decomposition_table.get(op)
+    active = getattr(_local, "decomposing", None)
+    if active is None:
+        active = _local.decomposing = set()
+    if decomp is not None and op not in active:
+        active.add(op)
+        try:
+            return decomp(*args, **kwargs)
+        finally:
+            active.discard(op)
+    if _cpu_fallback:
+        return run_on_cpu(op, args, kwargs)
+    raise _unsupported(op)
+
+
+def register_kernels() -> None:
+    """Import the lowering modules (they fill the table)."""
+    from torchbridge.device import lowerings  # noqa: F401
+
+
+def metrics() -> dict[str, Any]:
+    info = dispatch.cache_info()
+    return {
+        "compiled_programs": info["programs"],
+        "compiles": info["compiles"],
+        "compiles_by_op": dict(dispatch.compile_counter),
+        "cpu_fallbacks": dict(dispatch.cpu_fallback_counter),
+        "live_storages": len(STATE.table),
+    }
+
+
+warnings.filterwarnings("default", message="torchbridge:")

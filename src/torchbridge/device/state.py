@@ -1,0 +1,72 @@
+"""Process-wide backend state: device name, JAX devices, the buffer table, RNG streams."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import jax
+import numpy as np
+
+
+class _State:
+    def __init__(self) -> None:
+        self.name = "tpu"
+        self.registered = False
+        self._seeds: dict[int, int] = {}
+        self._counters: dict[int, int] = {}
+        self.default_seed = 67280421310721  # torch's default CPU seed; any fixed value works
+
+    @cached_property
+    def platform(self) -> str:
+        return os.environ.get("TORCHBRIDGE_PLATFORM") or jax.default_backend()
+
+    @cached_property
+    def devices(self) -> list[jax.Device]:
+        return jax.devices(self.platform)
+
+    def jax_device(self, index: int) -> jax.Device:
+        try:
+            return self.devices[index]
+        except IndexError:
+            raise RuntimeError(
+                f"torchbridge: {self.name}:{index} does not exist; {len(self.devices)} {self.platform} device(s) "
+                "(set XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU devices)"
+            ) from None
+
+    @cached_property
+    def table(self):
+        from torchbridge.device.storage import BufferTable
+
+        return BufferTable()
+
+    @property
+    def current_device(self) -> int:
+        from torchbridge.device import native
+
+        return native.load().current_device()
+
+    # RNG: a (seed, counter) pair per device; every random op draws key fold_in(key(seed), counter).
+    def manual_seed(self, seed: int, device: int | None = None) -> None:
+        seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+        targets = range(len(self.devices)) if device is None else [device]
+        for d in targets:
+            self._seeds[d] = seed
+            self._counters[d] = 0
+
+    def initial_seed(self, device: int) -> int:
+        return self._seeds.get(device, self.default_seed)
+
+    def next_rng(self, device: int) -> tuple[np.uint64, np.uint64]:
+        count = self._counters.get(device, 0)
+        self._counters[device] = count + 1
+        return np.uint64(self._seeds.get(device, self.default_seed)), np.uint64(count)
+
+    def get_rng_state(self, device: int) -> tuple[int, int]:
+        return self._seeds.get(device, self.default_seed), self._counters.get(device, 0)
+
+    def set_rng_state(self, device: int, state: tuple[int, int]) -> None:
+        self._seeds[device], self._counters[device] = int(state[0]), int(state[1])
+
+
+STATE = _State()

@@ -1,0 +1,77 @@
+"""The buffer table: storage address -> immutable flat JAX array.
+
+The C++ allocator hands every storage a unique fake address. This table maps that address to the
+storage's current contents. In-place ops never mutate an XLA buffer: they compute a new one and swap
+the entry, so every view of the storage (which reads through the table) sees the write, exactly as
+on CPU. A storage without an entry has never been written and reads as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torchbridge.device import native
+from torchbridge.device.views import bitcast_flat
+
+_FREE, _RESIZE = 0, 1
+
+
+class BufferTable:
+    def __init__(self) -> None:
+        self._buffers: dict[int, jax.Array] = {}
+        self._native = native.load()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def drain(self) -> None:
+        """Apply queued frees and resizes from the allocator, oldest first."""
+        events = self._native.drain_events()
+        if not events:
+            return
+        for kind, a, b, nbytes in events:
+            if kind == _FREE:
+                self._buffers.pop(a, None)
+            elif kind == _RESIZE:
+                old = self._buffers.get(a)
+                if old is not None:
+                    self._buffers[b] = _resize_bytes(old, nbytes)
+
+    def get(self, key: int) -> jax.Array | None:
+        return self._buffers.get(key)
+
+    def get_or_zeros(self, key: int, nbytes: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
+        buf = self._buffers.get(key)
+        if buf is None:
+            itemsize = jnp.dtype(dtype).itemsize
+            buf = _zeros(nbytes // itemsize, dtype, device)
+            self._buffers[key] = buf
+        return buf
+
+    def set(self, key: int, buf: jax.Array) -> None:
+        self._buffers[key] = buf
+
+
+_zero_cache: dict[tuple, jax.Array] = {}
+
+
+def _zeros(count: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
+    # Immutable, so one zero buffer per (size, dtype, device) can back any number of fresh storages.
+    key = (count, jnp.dtype(dtype), device)
+    buf = _zero_cache.get(key)
+    if buf is None:
+        buf = jax.device_put(np.zeros((count,), dtype=dtype), device)
+        if count * jnp.dtype(dtype).itemsize <= (1 << 20):
+            _zero_cache[key] = buf
+    return buf
+
+
+@jax.jit(static_argnums=(1,))
+def _resize_bytes_jit(buf: jax.Array, nbytes: int) -> jax.Array:
+    return bitcast_flat(buf, jnp.uint8, nbytes)
+
+
+def _resize_bytes(buf: jax.Array, nbytes: int) -> jax.Array:
+    return _resize_bytes_jit(buf, nbytes)

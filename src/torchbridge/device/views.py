@@ -1,0 +1,131 @@
+"""Reading and writing strided views of a flat storage buffer, inside traced JAX code.
+
+A device storage is one flat, immutable JAX array. A tensor is (shape, strides, offset, dtype) over
+it, exactly as on CPU. Reads gather the view's elements; writes return a new flat buffer with the
+view's elements replaced. Dense layouts (contiguous, permuted, broadcast) use slices, reshapes and
+transposes; anything else falls back to a gather/scatter with computed indices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class ViewSpec(NamedTuple):
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _dense_permutation(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dim order that makes a (non-broadcast) view contiguous, or None if it is not dense."""
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
+    permuted_shape = tuple(shape[d] for d in order)
+    permuted_strides = tuple(strides[d] for d in order)
+    return tuple(order) if is_contiguous(permuted_shape, permuted_strides) else None
+
+
+def _indices(spec: ViewSpec) -> jnp.ndarray:
+    idx = jnp.full(spec.shape, spec.offset, dtype=jnp.int64)
+    for d, (size, stride) in enumerate(zip(spec.shape, spec.strides, strict=True)):
+        if size > 1 and stride != 0:
+            idx = idx + lax.broadcasted_iota(jnp.int64, spec.shape, d) * stride
+    return idx
+
+
+def _split_broadcast(spec: ViewSpec) -> tuple[ViewSpec, tuple[int, ...]]:
+    """Drop stride-0 dims (and size-1 dims); return the reduced spec and the kept dim positions."""
+    kept = tuple(d for d, (n, s) in enumerate(zip(spec.shape, spec.strides, strict=True)) if n != 1 and s != 0)
+    return ViewSpec(tuple(spec.shape[d] for d in kept), tuple(spec.strides[d] for d in kept), spec.offset), kept
+
+
+def read(buf: jnp.ndarray, spec: ViewSpec) -> jnp.ndarray:
+    shape = spec.shape
+    numel = math.prod(shape)
+    if numel == 0:
+        return jnp.zeros(shape, buf.dtype)
+    if is_contiguous(shape, spec.strides):
+        if spec.offset == 0 and numel == buf.shape[0]:
+            return buf.reshape(shape)
+        return lax.slice(buf, (spec.offset,), (spec.offset + numel,)).reshape(shape)
+    reduced, kept = _split_broadcast(spec)
+    if len(kept) < len(shape):
+        inner = read(buf, reduced)
+        expanded = inner.reshape(tuple(n if d in kept else 1 for d, n in enumerate(shape)))
+        return jnp.broadcast_to(expanded, shape)
+    perm = _dense_permutation(shape, spec.strides)
+    if perm is not None:
+        permuted = read(buf, ViewSpec(tuple(shape[d] for d in perm), contiguous_strides(tuple(shape[d] for d in perm)), spec.offset))
+        return jnp.transpose(permuted, np.argsort(perm))
+    return buf[_indices(spec)]
+
+
+def write(buf: jnp.ndarray, spec: ViewSpec, values: jnp.ndarray) -> jnp.ndarray:
+    """`buf` with the view's elements set to `values` (broadcast to the view's shape)."""
+    shape = spec.shape
+    numel = math.prod(shape)
+    if numel == 0:
+        return buf
+    values = jnp.broadcast_to(values.astype(buf.dtype), shape)
+    if is_contiguous(shape, spec.strides):
+        flat = values.reshape(-1)
+        if spec.offset == 0 and numel == buf.shape[0]:
+            return flat
+        return lax.dynamic_update_slice(buf, flat, (spec.offset,))
+    perm = _dense_permutation(shape, spec.strides)
+    if perm is not None and 0 not in spec.strides:
+        permuted = jnp.transpose(values, perm)
+        dense = ViewSpec(permuted.shape, contiguous_strides(permuted.shape), spec.offset)
+        return write(buf, dense, permuted)
+    return buf.at[_indices(spec).reshape(-1)].set(values.reshape(-1))
+
+
+def layout(values: jnp.ndarray, spec: ViewSpec, storage_numel: int) -> jnp.ndarray:
+    """A fresh flat storage holding `values` at the positions `spec` describes."""
+    if spec.offset == 0 and is_contiguous(spec.shape, spec.strides) and math.prod(spec.shape) == storage_numel:
+        return values.reshape(-1)
+    return write(jnp.zeros((storage_numel,), values.dtype), spec, values)
+
+
+def bitcast_flat(buf: jnp.ndarray, dtype: jnp.dtype, count: int) -> jnp.ndarray:
+    """Reinterpret a flat buffer's bytes as `count` elements of `dtype` (bool as 0/1 bytes)."""
+    if buf.dtype == dtype and buf.shape[0] == count:
+        return buf
+    if buf.dtype == jnp.bool_:
+        raw = buf.astype(jnp.uint8)
+    elif buf.dtype.itemsize == 1:
+        raw = lax.bitcast_convert_type(buf, jnp.uint8)
+    else:
+        raw = lax.bitcast_convert_type(buf, jnp.uint8).reshape(-1)
+    itemsize = jnp.dtype(dtype).itemsize
+    nbytes = count * itemsize
+    if raw.shape[0] < nbytes:
+        raw = jnp.concatenate([raw, jnp.zeros((nbytes - raw.shape[0],), jnp.uint8)])
+    raw = raw[:nbytes]
+    if dtype == jnp.bool_:
+        return raw != 0
+    if itemsize == 1:
+        return lax.bitcast_convert_type(raw, dtype)
+    return lax.bitcast_convert_type(raw.reshape(count, itemsize), dtype)

@@ -1,0 +1,164 @@
+"""Prefix-cache indexes keyed by chained block hashes.
+
+A prompt's tokens are cut into full blocks of `block_size`; block i hashes to
+h_i = xxh64(le64(h_{i-1}) || le32(tokens_i)) with h_{-1} = 0, so equal keys imply equal prefixes
+up to and including the block (up to hash collisions), which lets an index answer "how many
+leading blocks of this prompt does replica r hold?" by walking the chain. This is the same
+scheme as torchbridge.serve's block manager, so with the engine's tokenizer the router's keys
+are the engine's and its KV events can be applied to the precise index as they are.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """Chained 64-bit hashes of the full blocks of `tokens` (a trailing partial block is ignored,
+    as engines only cache full blocks). `parent` continues an existing chain."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    out: list[int] = []
+    n_full = len(tokens) // block_size
+    for i in range(n_full):
+        chunk = array("i", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + chunk)
+        out.append(parent)
+    return out
+
+
+class BlockIndex:
+    """Which replica holds which block hash, with an optional per-replica LRU capacity.
+
+    With a capacity it is the *approximate* index: the router records its own routing decisions
+    and evicts least-recently-routed blocks once a replica's KV capacity is exceeded. Without one
+    it is the *precise* index, fed by engine KV events that report evictions themselves.
+    """
+
+    def __init__(self) -> None:
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int | None] = {}
+        self._owners: dict[int, set[str]] = {}
+
+    # -- membership --------------------------------------------------------------------------
+    def add_replica(self, replica: str, capacity: int | None = None) -> None:
+        self._lru.setdefault(replica, OrderedDict())
+        self.set_capacity(replica, capacity)
+
+    def set_capacity(self, replica: str, capacity: int | None) -> None:
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self._capacity[replica] = capacity
+        self._evict(replica)
+
+    def remove_replica(self, replica: str) -> None:
+        self.clear(replica)
+        self._lru.pop(replica, None)
+        self._capacity.pop(replica, None)
+
+    def replicas(self) -> list[str]:
+        return list(self._lru)
+
+    def size(self, replica: str) -> int:
+        return len(self._lru.get(replica, ()))
+
+    def capacity(self, replica: str) -> int | None:
+        return self._capacity.get(replica)
+
+    # -- updates -----------------------------------------------------------------------------
+    def insert(self, replica: str, hashes: Iterable[int]) -> None:
+        """Mark a chain of blocks as held. Unknown replicas are added uncapped.
+
+        The chain is touched tail-first so its head ends most recently used: under LRU pressure a
+        prefix then loses its tail before its head (as engines evict), and never keeps an
+        unreachable tail behind a missing head.
+        """
+        lru = self._lru.get(replica)
+        if lru is None:
+            self.add_replica(replica)
+            lru = self._lru[replica]
+        for h in reversed(list(hashes)):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self._owners.setdefault(h, set()).add(replica)
+        self._evict(replica)
+
+    def remove(self, replica: str, hashes: Iterable[int]) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        for h in hashes:
+            if lru.pop(h, 0) is None:
+                self._drop_owner(h, replica)
+
+    def clear(self, replica: str) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        for h in lru:
+            self._drop_owner(h, replica)
+        lru.clear()
+
+    # -- queries -----------------------------------------------------------------------------
+    def contains(self, replica: str, h: int) -> bool:
+        return h in self._lru.get(replica, ())
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Number of leading blocks of `hashes` each replica holds (replicas with 0 omitted).
+
+        The walk keeps the set of replicas still matching and only touches it when a block's
+        owner set is smaller (or the set is small), so its cost is the chain length plus the pool
+        size, not their product; that keeps a decision cheap at 1,000 replicas with a system
+        prompt cached everywhere. Skipping the large, non-shrinking sets is exact because
+        chains are prefix-closed (a replica holding block i holds block i-1): `insert` touches
+        parents after children, so LRU never evicts a parent first, and `remove` callers drop
+        tails; an event-fed index inherits the engine's leaf-first eviction.
+        """
+        matched: dict[str, int] = {}
+        if not hashes:
+            return matched
+        first = self._owners.get(hashes[0])
+        if not first:
+            return matched
+        alive = set(first)
+        n = len(hashes)
+        for i in range(1, n):
+            holders = self._owners.get(hashes[i])
+            if not holders:
+                for r in alive:
+                    matched[r] = i
+                return matched
+            if len(holders) < len(alive) or len(alive) <= 64:
+                nxt = alive & holders
+                if len(nxt) != len(alive):
+                    for r in alive - nxt:
+                        matched[r] = i
+                    if not nxt:
+                        return matched
+                    alive = nxt
+        for r in alive:
+            matched[r] = n
+        return matched
+
+    # -- internals ---------------------------------------------------------------------------
+    def _drop_owner(self, h: int, replica: str) -> None:
+        owners = self._owners.get(h)
+        if owners is not None:
+            owners.discard(replica)
+            if not owners:
+                del self._owners[h]
+
+    def _evict(self, replica: str) -> None:
+        cap = self._capacity.get(replica)
+        lru = self._lru.get(replica)
+        if cap is None or lru is None:
+            return
+        while len(lru) > cap:
+            h, _ = lru.popitem(last=False)
+            self._drop_owner(h, replica)

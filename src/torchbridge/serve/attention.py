@@ -1,0 +1,68 @@
+"""Paged attention in plain torch.
+
+The KV cache of one layer is a pair of tensors `[num_blocks + 1, block_size, num_kv_heads, head_dim]`;
+the extra last block is scratch space that padding tokens write into, so a padded step never needs a
+data-dependent shape. A step's tokens arrive flat (`[N, ...]`, sequences concatenated); attention
+scatters the queries into a `[batch, max_query_len]` grid, gathers each sequence's keys and values by
+its block table, and runs one masked `scaled_dot_product_attention`. Every index tensor is built by the
+model runner, so shapes depend only on (tokens, batch, query length, blocks): the shape bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
+    query_index: torch.Tensor  # [B, T] flat token index of each grid cell (padding points anywhere)
+    output_index: torch.Tensor  # [N] grid cell (b * T + t) of each flat token
+    block_tables: torch.Tensor  # [B, max_blocks] cache block ids (padding -> scratch block)
+    mask: torch.Tensor  # [B, 1, T, max_blocks * block_size] True where a query may attend
+
+
+def build_mask(
+    query_positions: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_len: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal mask over the gathered context: key j is visible to a query at position p iff j <= p and j
+    is written. Padding rows (context 0) see key 0 so that they never softmax over nothing (NaN)."""
+    j = torch.arange(kv_len, device=query_positions.device)
+    p = query_positions[:, :, None]
+    mask = (j <= p) & (j < context_lens[:, None, None])
+    if sliding_window is not None:
+        mask &= j > p - sliding_window
+    mask |= (j == 0) & (context_lens[:, None, None] == 0)
+    return mask[:, None]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    batch, max_q = meta.query_index.shape
+    qg = q[meta.query_index].transpose(1, 2)  # [B, H, T, D]
+    kg = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+    vg = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    if kg.shape[1] != qg.shape[1]:
+        rep = qg.shape[1] // kg.shape[1]
+        kg = kg.repeat_interleave(rep, dim=1)
+        vg = vg.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=scale)
+    out = out.transpose(1, 2).reshape(batch * max_q, -1)
+    return out[meta.output_index]

@@ -1,0 +1,73 @@
+"""`python -m torchbridge serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchbridge serve", description="OpenAI-compatible LLM server on any torch device.")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, tpu, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: room for every sequence)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K", help="n-gram lookup drafts of K tokens")
+    p.add_argument("--shape-buckets", action=argparse.BooleanOptionalAction, default=None,
+                   help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every shape bucket once at start-up (default: with --shape-buckets)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--no-kv-events", action="store_true", help="do not publish /v1/kv_events")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from torchbridge.serve import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    if not (Path(model) / "config.json").is_file():
+        hint = "" if args.model else " (the bundled default model is not there yet; pass --model DIR)"
+        print(f"torchbridge serve: no Hugging Face checkpoint at {model}{hint}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from torchbridge.serve.async_engine import AsyncEngine
+    from torchbridge.serve.config import EngineConfig
+    from torchbridge.serve.engine import LLMEngine
+    from torchbridge.serve.server import create_app
+
+    logging.basicConfig(level=args.log_level.upper())
+    config = EngineConfig(
+        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
+        shape_buckets=args.shape_buckets, served_model_name=args.served_model_name, seed=args.seed,
+        kv_events=not args.no_kv_events,
+    )
+    engine = LLMEngine(config)
+    if args.warmup if args.warmup is not None else config.shape_buckets:
+        n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
+        logging.getLogger(__name__).info("warmed up %d shape buckets", n)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        uvicorn.run(create_app(async_engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0

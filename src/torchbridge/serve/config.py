@@ -1,0 +1,171 @@
+"""Engine and model configuration.
+
+`ModelConfig` is the subset of a Hugging Face `config.json` that the Llama-family models need, read
+without importing transformers so that the engine starts fast. `EngineConfig` holds the knobs of the
+serving engine (cache geometry, batching limits, device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    hidden_act: str
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    torch_dtype: str
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 means dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, c: dict) -> ModelConfig:
+        archs = c.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        kind = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
+        # transformers 5 nests rope settings in rope_parameters; 4.x used rope_theta + rope_scaling.
+        rope = dict(c.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+        scaling = rope if rope.get("rope_type", "default") != "default" else c.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        eos = c.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        sliding = None
+        if kind == "mistral":
+            sliding = c.get("sliding_window")
+        elif kind in ("qwen2", "qwen3", "qwen3_moe") and c.get("use_sliding_window"):
+            sliding = c.get("sliding_window")
+        num_layers = c["num_hidden_layers"]
+        num_experts = int(c.get("num_experts", c.get("num_local_experts", 0)) or 0) if kind == "qwen3_moe" else 0
+        moe_layers: list[int] = []
+        if num_experts:
+            step = c.get("decoder_sparse_step", 1) or 1
+            dense = set(c.get("mlp_only_layers") or [])
+            moe_layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        return cls(
+            architecture=kind,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c.get("intermediate_size", 0),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", kind == "qwen2")),
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            sliding_window=sliding,
+            hidden_act=c.get("hidden_act", "silu"),
+            eos_token_ids=eos_ids,
+            bos_token_id=c.get("bos_token_id"),
+            torch_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
+            num_experts=num_experts,
+            num_experts_per_tok=c.get("num_experts_per_tok", 0),
+            moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+        )
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    # None: size the pool from max_num_seqs * max_model_len (cpu) so every admitted sequence fits.
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    speculative_ngram: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 3
+    # None: on for devices that compile per shape (anything but cpu and cuda).
+    shape_buckets: bool | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    kv_events: bool = True
+    model_config: ModelConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model_config = ModelConfig.from_dir(self.model)
+        if self.max_model_len is None:
+            self.max_model_len = min(self.model_config.max_position_embeddings, 4096)
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if not self.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        if self.num_blocks is None:
+            per_seq = math.ceil(self.max_model_len / self.block_size)
+            self.num_blocks = max(per_seq, min(self.max_num_seqs * per_seq, 8192))
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2")
+        if self.shape_buckets is None:
+            self.shape_buckets = torch.device(self.device).type not in ("cpu", "cuda")
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).resolve().name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        # fp32 on cpu keeps logits comparable to the reference; accelerators use the checkpoint's dtype.
+        if torch.device(self.device).type == "cpu":
+            return torch.float32
+        return _DTYPES.get(self.model_config.torch_dtype, torch.float32)

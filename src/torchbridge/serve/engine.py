@@ -1,0 +1,290 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+Data flows one way: a request becomes sequences, the scheduler picks a batch, the model runner turns it
+into logits, the sampler (or the speculative verifier) into tokens, and the output side into text
+deltas and finish reasons. The engine is synchronous and single-threaded; `AsyncEngine` drives it from a
+thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchbridge.serve.block_manager import BlockManager
+from torchbridge.serve.config import EngineConfig
+from torchbridge.serve.kv_events import KVEventLog
+from torchbridge.serve.model_runner import ModelRunner
+from torchbridge.serve.sampler import Sampler, token_logprobs
+from torchbridge.serve.sampling_params import SamplingParams
+from torchbridge.serve.scheduler import Scheduler
+from torchbridge.serve.sequence import Sequence, Status
+from torchbridge.serve.spec_decode import NgramProposer
+from torchbridge.serve.tokenizer import Tokenizer
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class SeqUpdate:
+    """What one step added to one sequence (the stream delta), plus its state when finished."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    seq: Sequence
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_prompt_tokens: int = 0  # prompt tokens that went through the model (prefix-cache misses)
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = Tokenizer(config.model) if load_tokenizer and _has_tokenizer(config.model) else None
+        eos = list(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(config)
+        self.kv_events = KVEventLog() if config.kv_events else None
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed, eos)
+        self.proposer = NgramProposer(config.speculative_ngram, config.ngram_min, config.ngram_max) if config.speculative_ngram else None
+        self.requests: dict[str, Request] = {}
+        self.stats = Stats()
+        self.metrics = None  # set by the server: an object with observe_* hooks (see metrics.py)
+
+    # ---- requests in -------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+    ) -> Request:
+        """Queue a prompt (text, or token ids). Chat prompts arrive as rendered template text, which
+        already holds its special tokens: pass add_special_tokens=False for them."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request_id}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send token ids", "prompt")
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab = self.config.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        max_len = self.config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)}", "prompt"
+            )
+        if self.block_manager.blocks_for(len(prompt_ids) + 1) > self.config.num_blocks:
+            raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) does not fit the KV cache", "prompt")
+        seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
+        req = Request(request_id, prompt_ids, params, seqs)
+        self.requests[request_id] = req
+        self.stats.prompt_tokens += len(prompt_ids) * params.n
+        for s in seqs:
+            self.scheduler.add(s)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request (client gone): its blocks go back to the pool now."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for s in req.seqs:
+            if not s.is_finished:
+                self.scheduler.remove(s)
+                s.status, s.finish_reason = Status.FINISHED, "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[SeqUpdate]:
+        if self.proposer is not None:
+            self._propose()
+        batch = self.scheduler.schedule()
+        updates = [self._finish(s, "length") for s in batch.aborted_for_space]
+        if not batch.items:
+            return updates
+        self.stats.steps += 1
+        logits, rows = self.runner.run(batch)
+        new_tokens: dict[int, tuple[Sequence, list[int], list[dict]]] = {}
+        plain: list[tuple[Sequence, int]] = []
+        for it, (row, count) in zip(batch.items, rows, strict=True):
+            seq = it.seq
+            if seq.num_computed_tokens < seq.prompt_len:
+                self.stats.computed_prompt_tokens += min(it.num_tokens, seq.prompt_len - seq.num_computed_tokens)
+            seq.num_computed_tokens += it.num_tokens
+            if count == 0:
+                self.block_manager.commit(seq)
+            elif it.draft_tokens:
+                new_tokens[seq.seq_id] = (seq, *self._verify(seq, it.draft_tokens, logits[row : row + count]))
+            else:
+                plain.append((seq, row))
+        if plain:
+            sampled = self.sampler.sample(logits[[r for _, r in plain]], [s for s, _ in plain])
+            for (seq, _), s in zip(plain, sampled, strict=True):
+                new_tokens[seq.seq_id] = (seq, [s.token_id], [s.logprob] if s.logprob else [])
+        for seq, toks, lps in new_tokens.values():
+            updates.append(self._append(seq, toks, lps))
+        return updates
+
+    def _propose(self) -> None:
+        assert self.proposer is not None
+        max_len = self.config.max_model_len
+        for seq in self.scheduler.running:
+            seq.draft_tokens = []
+            if seq.num_uncomputed == 1 and self.proposer.eligible(seq):
+                room = min(self._max_tokens(seq) - seq.num_output_tokens, max_len - len(seq.token_ids)) - 1
+                seq.draft_tokens = self.proposer.propose(seq.token_ids, room)
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> tuple[list[int], list[dict]]:
+        """Keep drafts while they equal the model's greedy choice, then add the model's own next token."""
+        assert self.proposer is not None
+        target = logits.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            accepted += 1
+        self.proposer.record(len(drafts), accepted)
+        # Accepted drafts were fed with their K/V written at the right positions: they count as computed.
+        seq.num_computed_tokens += accepted
+        toks = target[: accepted + 1]
+        lps = []
+        if seq.params.logprobs is not None:
+            rows = torch.log_softmax(logits[: accepted + 1], dim=-1)
+            lps = [token_logprobs(rows[i], t, seq.params.logprobs) for i, t in enumerate(toks)]
+        return toks, lps
+
+    # ---- tokens out --------------------------------------------------------------------------
+    def _max_tokens(self, seq: Sequence) -> int:
+        mt = seq.params.max_tokens
+        return mt if mt is not None else self.config.max_model_len - seq.prompt_len
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict]) -> SeqUpdate:
+        p = seq.params
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_ttft(now - seq.arrival_time)
+        elif self.metrics is not None:
+            self.metrics.observe_itl(now - seq.last_token_time)
+        seq.last_token_time = now
+        finish: tuple[str, int | str | None] | None = None
+        for i, t in enumerate(tokens):
+            seq.token_ids.append(t)
+            if logprobs:
+                seq.logprobs.append(logprobs[i])
+            self.stats.generation_tokens += 1
+            if t in p.stop_token_ids:
+                finish = ("stop", t)
+            elif not p.ignore_eos and t in self.eos_token_ids and seq.num_output_tokens > p.min_tokens:
+                finish = ("stop", None)
+            elif seq.num_output_tokens >= self._max_tokens(seq) or len(seq.token_ids) >= self.config.max_model_len:
+                finish = ("length", None)
+            if finish:
+                break
+        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
+        self.block_manager.commit(seq)
+        # A stop token or EOS ends the text but is not part of it.
+        hide_last = finish is not None and finish[0] == "stop"
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if hide_last else seq.output_ids
+            text = self.tokenizer.decode(ids)
+            prev = len(seq.text)
+            if p.stop and finish is None:
+                longest = max(len(s) for s in p.stop)
+                start = max(0, prev - longest + 1)
+                hits = [(text.find(s, start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    text, finish = text[:i], ("stop", s)
+            seq.text = text
+        if finish is not None:
+            seq.finish_reason, seq.stop_reason = finish
+        return self._update(seq, finish is not None)
+
+    def _update(self, seq: Sequence, finished: bool) -> SeqUpdate:
+        text = seq.text
+        upto = len(text)
+        if not finished:
+            if seq.params.stop:
+                # A stop string may still be completing: hold back what could be its beginning.
+                upto -= max(len(s) for s in seq.params.stop) - 1
+            while upto > 0 and text[upto - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                upto -= 1
+        upto = max(upto, seq.emitted_text_len)
+        new_text = text[seq.emitted_text_len : upto]
+        seq.emitted_text_len = upto
+        new_ids = seq.output_ids[seq.num_emitted_tokens :]
+        new_lps = seq.logprobs[seq.num_emitted_tokens :]
+        seq.num_emitted_tokens = seq.num_output_tokens
+        if finished:
+            self._retire(seq)
+        return SeqUpdate(seq.request_id, seq.index, new_ids, new_text, new_lps, finished, seq.finish_reason, seq.stop_reason, seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> SeqUpdate:
+        seq.finish_reason = reason
+        return self._update(seq, True)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        req = self.requests.get(seq.request_id)
+        if req is not None and req.finished:
+            del self.requests[seq.request_id]
+            self.stats.finished_requests += 1
+            if self.metrics is not None:
+                self.metrics.observe_finished(req)
+
+    # ---- introspection -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    d = Path(model_dir)
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()

@@ -1,0 +1,87 @@
+"""Prometheus metrics under vLLM's names, so that dashboards and routers built for vLLM read them.
+
+Gauges and counters are read from the engine at scrape time (a custom collector); latency histograms
+are observed by the engine thread as tokens come out.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from torchbridge.serve.engine import LLMEngine, Request
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):  # noqa: ANN201 - the prometheus_client collector protocol
+        eng, name = self.engine, self.model_name
+        bm, cfg = eng.block_manager, eng.config
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([name], value)
+            return c
+
+        running = {s.request_id for s in list(eng.scheduler.running)}
+        waiting = {s.request_id for s in list(eng.scheduler.waiting)} - running
+        yield gauge("vllm:num_requests_running", "Requests with sequences in the running batch.", len(running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", bm.usage)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)
+        yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
+                      eng.scheduler.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", eng.stats.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.", eng.stats.generation_tokens)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV-cache configuration.",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        info.add_metric([str(cfg.block_size), str(cfg.num_blocks), str(cfg.enable_prefix_caching)], 1.0)
+        yield info
+        p = eng.proposer
+        if p is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Speculative proposals verified.", p.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", p.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", p.num_accepted_tokens)
+            yield gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.", p.acceptance_rate)
+
+
+class Metrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.model_name = model_name
+
+        def hist(metric: str, doc: str) -> Histogram:
+            return Histogram(metric, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+
+        self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.").labels(model_name)
+        self._itl = hist("vllm:inter_token_latency_seconds", "Time between two token emissions.").labels(model_name)
+        self._e2e = hist("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.").labels(model_name)
+        engine.metrics = self
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_finished(self, request: Request) -> None:
+        import time
+
+        self._e2e.observe(time.monotonic() - request.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,168 @@
+"""Turns a scheduled batch into tensors, runs the model, and returns the logits to sample from.
+
+With shape buckets on, every tensor of a step is padded up to a bucket (tokens, batch, query length,
+blocks, sampled rows; each a power of two), so a compiling backend sees a handful of shapes that
+`warmup()` can trace at start-up and none later. Padding tokens write their K/V into a scratch block
+and are never sampled, so padded and unpadded steps give the same logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from torchbridge.serve.attention import AttentionMetadata, build_mask
+from torchbridge.serve.config import EngineConfig
+from torchbridge.serve.models import load_model
+from torchbridge.serve.scheduler import Batch
+
+
+def _bucket(n: int, smallest: int = 1) -> int:
+    b = smallest
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_index: torch.Tensor
+    rows: list[tuple[int, int]]  # per batch item: (first row, row count) in the logits; count 0: none
+    num_rows: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        mc = config.model_config
+        self.block_size = config.block_size
+        self.scratch_block = config.num_blocks
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.model = load_model(config.model, mc, config.device, self.dtype, config.max_model_len + 1)
+        shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+        self.sliding_window = mc.sliding_window
+        self.shapes_seen: set[tuple[int, ...]] = set()
+
+    def prepare(self, batch: Batch, pad: bool | None = None) -> StepInput:
+        pad = self.config.shape_buckets if pad is None else pad
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample: list[int] = []
+        rows: list[tuple[int, int]] = []
+        for it in batch.items:
+            seq = it.seq
+            start = seq.num_computed_tokens
+            toks = seq.token_ids[start : start + it.num_tokens] + it.draft_tokens
+            first = len(ids)
+            ids.extend(toks)
+            p = range(start, start + len(toks))
+            pos.extend(p)
+            slots.extend(seq.block_table[i // bs] * bs + i % bs for i in p)
+            q_lens.append(len(toks))
+            ctx_lens.append(start + len(toks))
+            tables.append(seq.block_table[: -(-ctx_lens[-1] // bs)])
+            if it.samples:
+                k = 1 + len(it.draft_tokens)
+                rows.append((len(sample), k))
+                sample.extend(range(first + len(toks) - k, first + len(toks)))
+            else:
+                rows.append((len(sample), 0))
+        n, b, t = len(ids), len(q_lens), max(q_lens)
+        mb, m = max(len(tb) for tb in tables), len(sample)
+        if pad:
+            n, b, t = _bucket(n, 16), _bucket(b), _bucket(t)
+            mb, m = min(_bucket(mb), _bucket(self.max_blocks_per_seq)), _bucket(max(m, 1))
+        scratch_slot = self.scratch_block * bs
+        ids += [0] * (n - len(ids))
+        pos += [0] * (n - len(pos))
+        slots += [scratch_slot] * (n - len(slots))
+        query_index = [[0] * t for _ in range(b)]
+        q_pos = [[0] * t for _ in range(b)]
+        output_index = [0] * n
+        flat = 0
+        for row, q in enumerate(q_lens):
+            for j in range(q):
+                query_index[row][j] = flat
+                q_pos[row][j] = pos[flat]
+                output_index[flat] = row * t + j
+                flat += 1
+        block_tables = [tb + [self.scratch_block] * (mb - len(tb)) for tb in tables]
+        block_tables += [[self.scratch_block] * mb for _ in range(b - len(tables))]
+        ctx_lens += [0] * (b - len(ctx_lens))
+        sample += [0] * (m - len(sample))
+        dev = self.device
+
+        def tensor(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        q_pos_t, ctx_t = tensor(q_pos), tensor(ctx_lens)
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots),
+            query_index=tensor(query_index),
+            output_index=tensor(output_index),
+            block_tables=tensor(block_tables),
+            mask=build_mask(q_pos_t, ctx_t, mb * bs, self.sliding_window),
+        )
+        return StepInput(tensor(ids), tensor(pos), meta, tensor(sample), rows, len(sample))
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
+        inp = self.prepare(batch, pad)
+        self.shapes_seen.add(
+            (inp.input_ids.shape[0], *inp.meta.query_index.shape, inp.meta.block_tables.shape[1], inp.sample_index.shape[0])
+        )
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        logits = self.model.compute_logits(hidden[inp.sample_index])
+        num_real = sum(c for _, c in inp.rows)
+        return logits[:num_real].float().cpu(), inp.rows
+
+    @torch.inference_mode()
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool = True) -> int:
+        """Run every decode bucket (batch x blocks) and every single-sequence prefill bucket once, so
+        that a compiling backend has traced them before the first request. Returns the shape count."""
+        from tqdm import tqdm
+
+        bs = self.block_size
+        batches = [_bucket(1) * 2**i for i in range(max(1, _bucket(max_num_seqs).bit_length()))]
+        batches = [x for x in batches if x <= _bucket(max_num_seqs)]
+        blocks = [2**i for i in range(_bucket(self.max_blocks_per_seq).bit_length())]
+        tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
+        shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
+        shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
+        scratch = self.scratch_block
+        for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
+            b, t = (x, 1) if kind == "decode" else (1, x)
+            n = _bucket(b * t, 16)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((n,), scratch * bs, dtype=torch.long, device=self.device),
+                query_index=torch.zeros((b, t), dtype=torch.long, device=self.device),
+                output_index=torch.zeros((n,), dtype=torch.long, device=self.device),
+                block_tables=torch.full((b, mb), scratch, dtype=torch.long, device=self.device),
+                mask=build_mask(
+                    torch.zeros((b, t), dtype=torch.long, device=self.device),
+                    torch.zeros((b,), dtype=torch.long, device=self.device),
+                    mb * bs,
+                    self.sliding_window,
+                ),
+            )
+            zeros = torch.zeros((n,), dtype=torch.long, device=self.device)
+            hidden = self.model(zeros, zeros, self.kv_caches, meta)
+            self.model.compute_logits(hidden[zeros[: _bucket(b)]])
+        return len(shapes)

@@ -1,0 +1,64 @@
+"""Loading a Hugging Face checkpoint directory (config.json + *.safetensors) into our modules."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from torchbridge.serve.config import ModelConfig
+from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
+
+# Some checkpoints store a layer's experts fused as 3-D tensors; split them into per-expert weights.
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name, tensor)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int
+) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    params = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in _checkpoint_tensors(model_dir):
+        m = _FUSED_EXPERTS.match(name)
+        if m:
+            prefix, kind = m.groups()
+            for e in range(tensor.shape[0]):
+                if kind == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2, dim=0)
+                    state[f"{prefix}.{e}.gate_proj.weight"] = gate
+                    state[f"{prefix}.{e}.up_proj.weight"] = up
+                else:
+                    state[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        elif name in params:
+            state[name] = tensor
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+    missing = [n for n in params if n not in state and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in state:
+                p.copy_(state[name])
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers were only shapes on meta; rope tables stay fp32 and are cast per step.
+    cos, sin = rope_tables(cfg, max_positions)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval()

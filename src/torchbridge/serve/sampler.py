@@ -1,0 +1,111 @@
+"""From logits to next tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+
+Rows are processed together where the operation is uniform and per row where it depends on the row's
+history (penalties) or random stream (a seeded request draws from its own generator, so its output does
+not depend on what else is in the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchbridge.serve.sequence import Sequence
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprob: dict | None  # {"token": id, "logprob": x, "top": [(id, x), ...]} when requested
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        # Multiplicative penalty on every token seen in prompt or output (the CTRL / HF convention).
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        # Additive penalties on output tokens only (the OpenAI convention).
+        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=logits.shape[0])
+        counts = counts[: logits.shape[0]].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> dict:
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, idx = torch.topk(logprobs_row, k)
+        top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+    return {"token": token, "logprob": float(logprobs_row[token]), "top": top}
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids or [])
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalties and min_tokens on a copy of the fp32 logits [rows, vocab]; one row per seq."""
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.has_penalties:
+                apply_penalties(logits[i], seq)
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            # Logprobs of the model's own distribution, before any sampling transform (vLLM's default).
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.process(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows)
+            probs = self._probs(logits[idx], [seqs[i] for i in random_rows])
+            for j, i in enumerate(random_rows):
+                gen = seqs[i].generator or self.generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        out = []
+        for i, seq in enumerate(seqs):
+            t = int(tokens[i])
+            lp = None
+            if raw_logprobs is not None and seq.params.logprobs is not None:
+                lp = token_logprobs(raw_logprobs[i], t, seq.params.logprobs)
+            out.append(Sampled(t, lp))
+        return out
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temp = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        logits = logits / temp[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+            drop = torch.arange(vocab)[None, :] >= ks[:, None]
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p (the top one always stays).
+            above = probs.cumsum(dim=-1) - probs
+            drop |= above >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
