@@ -3,13 +3,30 @@
 `import torchbridge` registers the device backend (default name `tpu`, renamed with
 TORCHBRIDGE_DEVICE_NAME). The engine (`torchbridge.serve`) and the router (`torchbridge.route`) do not
 need the backend; if it cannot load (no compiler, no jax) they still work and the error is kept for
-the first use of the device.
+the first use of the device (`torchbridge.registration_error()`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
 from torchbridge._register import device_name, registration_error  # noqa: E402
 
-__all__ = ["__version__", "device_name", "registration_error"]
+
+def metrics() -> dict[str, Any]:
+    """Eager-mode counters: compiled programs in the cache, compiles (total and per op), CPU fallbacks."""
+    from torchbridge.device import ops
+
+    return ops.metrics()
+
+
+def set_cpu_fallback(enabled: bool) -> None:
+    """Run ops that have no device lowering on the CPU (off by default; warns once per op)."""
+    from torchbridge.device import ops
+
+    ops.set_cpu_fallback(enabled)
+
+
+__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback"]

@@ -39,7 +39,7 @@ class Knobs:
     block_size: int = 16
     engine: str = "vllm"                # metric names: vllm or sglang
     kv_events: list[dict[str, Any]] | None = None  # None: /v1/kv_events is 404
-    hold: asyncio.Event | None = None   # if set, completions wait on it (to pile up load)
+    hold: threading.Event | None = None  # if given, completions wait until it is set (to pile up load)
     received: list[dict[str, Any]] = field(default_factory=list)
     active: int = 0
 
@@ -56,8 +56,8 @@ def make_app(k: Knobs) -> FastAPI:
     app = FastAPI()
 
     async def _gate() -> Response | None:
-        if k.hold is not None:
-            await k.hold.wait()
+        while k.hold is not None and not k.hold.is_set():
+            await asyncio.sleep(0.01)
         if k.delay_first_s:
             await asyncio.sleep(k.delay_first_s)
         if k.fail_status is not None and (k.fail_count is None or k.fail_count > 0):

@@ -61,9 +61,9 @@ def test_kv_headroom_filter() -> None:
 
 def test_prefix_scorer_uses_approx_and_precise() -> None:
     ctx = make_ctx()
-    ctx.approx.insert("r1", HASHES[:5])
-    ctx.precise.insert("r2", HASHES[:8])
-    ctx.precise.insert("r3", HASHES)  # r3 does not publish events: ignored
+    ctx.approx.insert(1, HASHES[:5])
+    ctx.precise.insert(2, HASHES[:8])
+    ctx.precise.insert(3, HASHES)  # r3 does not publish events: ignored
     ctx.pool.precise[2] = True
     assert PrefixCacheScorer("s").score(ctx, mask()).tolist() == [0, 0.5, 0.8, 0]
     assert PrefixCacheScorer("s", index="approx").score(ctx, mask()).tolist() == [0, 0.5, 0, 0]
@@ -118,19 +118,19 @@ def test_sticky_until_saturated() -> None:
     # r1 holds 9/10 blocks. Prompt 160 tokens at 1000 tok/s: uncached on r1 = 16 tokens.
     p = StickyUntilSaturatedPicker("p", hit_threshold=0.8, max_extra_wait_s=0.5)
     ctx = make_ctx(pending_tokens=[0, 0, 0, 0])
-    ctx.approx.insert("r1", HASHES[:9])
+    ctx.approx.insert(1, HASHES[:9])
     assert p.pick(ctx, mask(), np.zeros(4)) == 1
     # r1 has 600 queued tokens: wait 0.616 s vs 0.16 s elsewhere -> 0.456 s extra, within bound.
     ctx = make_ctx(pending_tokens=[0, 600, 0, 0])
-    ctx.approx.insert("r1", HASHES[:9])
+    ctx.approx.insert(1, HASHES[:9])
     assert p.pick(ctx, mask(), np.zeros(4)) == 1
     # 700 queued: 0.716 - 0.16 = 0.556 s > 0.5 s bound -> the least-wait alternative (r3 is idle).
     ctx = make_ctx(pending_tokens=[50, 700, 80, 0])
-    ctx.approx.insert("r1", HASHES[:9])
+    ctx.approx.insert(1, HASHES[:9])
     assert p.pick(ctx, mask(), np.zeros(4)) == 3
     # A hit below threshold (7/10) does not stick: the weighted scores decide.
     ctx = make_ctx()
-    ctx.approx.insert("r1", HASHES[:7])
+    ctx.approx.insert(1, HASHES[:7])
     assert p.pick(ctx, mask(), np.array([0.0, 0.0, 1.0, 0.0])) == 2
 
 
@@ -161,7 +161,7 @@ def test_failed_dispatch_is_forgotten_and_exclude_works() -> None:
     d = p.pick(p.request(TOKENS), "prefix-aware")
     p.on_dispatch(d)
     p.on_finish(d, ok=False)
-    assert p.approx.match(HASHES) == {} and p.hit_ratio() == 0.0
+    assert p.approx.match(HASHES) == {} and p.hit_ratio() == 0.0  # keyed by slot
     other = p.pick(p.request(TOKENS), "round-robin", exclude=[d.replica])
     assert other.replica != d.replica
     with pytest.raises(NoReplicaError):
@@ -178,7 +178,7 @@ def test_unhealthy_replicas_are_never_picked() -> None:
 def test_kv_blocks_size_the_approx_lru() -> None:
     p = _picker(1)
     p.set_kv_blocks("r0", 100, block_size=32)  # 100 engine blocks of 32 tokens = 200 router blocks of 16
-    assert p.approx.capacity("r0") == 200
+    assert p.approx.capacity(p.pool.slots["r0"]) == 200
 
 
 def test_remove_replica_forgets_sessions() -> None:

@@ -21,7 +21,7 @@ def register(name: str = "tpu") -> None:
         return
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
-    from torchbridge.device import native, ops, device_module
+    from torchbridge.device import device_module, native, ops
 
     mod = native.load()
     STATE.name = name
@@ -33,6 +33,8 @@ def register(name: str = "tpu") -> None:
     _library.fallback(ops.fallback, dispatch_key="PrivateUse1")
     ops.register_kernels()
     STATE.registered = True
+    # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
+    # pyproject.toml, so importing torchbridge does not import Dynamo.
 
 
 def _device_count() -> int:

@@ -195,7 +195,8 @@ cpu_fallback_counter: Counter[str] = Counter()
 def _meta_tensor(t: torch.Tensor, desc: Any) -> torch.Tensor:
     if isinstance(desc, _DeviceArg):
         return torch.empty_strided(desc.spec.shape, desc.spec.strides, dtype=t.dtype, device="meta")
-    return t
+    # Host tensors too: meta kernels (masked_fill, index_copy...) require every tensor on self's device.
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
 
 
 def _flatten_result(res: Any, leaves: list) -> Any:
@@ -367,9 +368,12 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
                 hosts.append(jax.device_put(dtypes.host_to_numpy(call.tensors[i]), jdev))
     bufs = []
     buffer_dtypes = []
+    first_dtype: dict[int, Any] = {}
+    for d in descs:
+        if isinstance(d, _DeviceArg) and d.slot not in first_dtype:
+            first_dtype[d.slot] = d.dtype
     for slot, key in enumerate(keys):
-        first = next(d for d in descs if isinstance(d, _DeviceArg) and d.slot == slot)
-        buf = STATE.table.get_or_zeros(key, storages[slot][0], first.dtype, jdev)
+        buf = STATE.table.get_or_zeros(key, storages[slot][0], first_dtype[slot], jdev)
         bufs.append(buf)
         buffer_dtypes.append(buf.dtype)
     cache_key = (op, pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
@@ -382,10 +386,15 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if program.resize:
         for name, shapes in program.resize.items():
             _resize_outs(kwargs[name], shapes)
+        # Apply the resize events now: a late drain would overwrite the result with the old contents.
+        STATE.table.drain()
         return run(op, args, kwargs)
     rng = STATE.next_rng(dev_index) if program.random else None
-    with jax.default_device(jdev):
+    if bufs or hosts:  # committed inputs already pin the program to their device
         updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
+    else:
+        with jax.default_device(jdev):
+            updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     if info.out_args or info.inplace:

@@ -142,8 +142,25 @@ def _record_stream(op, args, kwargs):
     return None
 
 
-dispatch._HOST_OK.update({aten.copy_.default, aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-                          aten._index_put_impl_.default})
+dispatch._HOST_OK.update({aten.copy_.default, aten.index.Tensor, aten.index.Tensor_out, aten.index_put.default,
+                          aten.index_put_.default, aten._index_put_impl_.default})
+
+
+@direct(aten.index.Tensor, aten.index.Tensor_out, aten.index_put.default, aten.index_put_.default,
+        aten._index_put_impl_.default)
+def _index_masks(op, args, kwargs):
+    # A boolean mask selects a data-dependent number of elements: turn it into integer indices first
+    # (as CPU's expandTensors does), so the compiled program sees static shapes.
+    indices = args[1]
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        expanded: list[Any] = []
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                expanded.extend(i.nonzero().unbind(1))
+            else:
+                expanded.append(i)
+        args = (args[0], expanded) + tuple(args[2:])
+    return dispatch.run(op, args, kwargs)
 
 
 # ---- data-dependent shapes -------------------------------------------------------------------------

@@ -31,13 +31,15 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "round-robin": {"picker": {"type": "round-robin"}},
     "random": {"picker": {"type": "random"}},
     "least-loaded": {"picker": {"type": "least-loaded"}},
+    # llm-d-style: prefix affinity traded off against load scorers. Load weights sum above the
+    # prefix weight so one warm replica cannot attract a herd of cold requests.
     "prefix-aware": {
         "filters": [{"type": "kv-headroom", "max_usage": 0.98}],
         "scorers": [
             {"type": "prefix-cache", "weight": 1.0},
             {"type": "inflight-tokens", "weight": 0.5},
-            {"type": "queue-depth", "weight": 0.3},
-            {"type": "kv-cache-utilization", "weight": 0.2},
+            {"type": "queue-depth", "weight": 0.5},
+            {"type": "kv-cache-utilization", "weight": 0.3},
         ],
         "picker": {"type": "max-score"},
     },

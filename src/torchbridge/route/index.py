@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import xxhash
 
@@ -40,37 +40,37 @@ class BlockIndex:
     """
 
     def __init__(self) -> None:
-        self._lru: dict[str, OrderedDict[int, None]] = {}
-        self._capacity: dict[str, int | None] = {}
-        self._owners: dict[int, set[str]] = {}
+        self._lru: dict[Hashable, OrderedDict[int, None]] = {}
+        self._capacity: dict[Hashable, int | None] = {}
+        self._owners: dict[int, set[Hashable]] = {}
 
     # -- membership --------------------------------------------------------------------------
-    def add_replica(self, replica: str, capacity: int | None = None) -> None:
+    def add_replica(self, replica: Hashable, capacity: int | None = None) -> None:
         self._lru.setdefault(replica, OrderedDict())
         self.set_capacity(replica, capacity)
 
-    def set_capacity(self, replica: str, capacity: int | None) -> None:
+    def set_capacity(self, replica: Hashable, capacity: int | None) -> None:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self._capacity[replica] = capacity
         self._evict(replica)
 
-    def remove_replica(self, replica: str) -> None:
+    def remove_replica(self, replica: Hashable) -> None:
         self.clear(replica)
         self._lru.pop(replica, None)
         self._capacity.pop(replica, None)
 
-    def replicas(self) -> list[str]:
+    def replicas(self) -> list[Hashable]:
         return list(self._lru)
 
-    def size(self, replica: str) -> int:
+    def size(self, replica: Hashable) -> int:
         return len(self._lru.get(replica, ()))
 
-    def capacity(self, replica: str) -> int | None:
+    def capacity(self, replica: Hashable) -> int | None:
         return self._capacity.get(replica)
 
     # -- updates -----------------------------------------------------------------------------
-    def insert(self, replica: str, hashes: Iterable[int]) -> None:
+    def insert(self, replica: Hashable, hashes: Iterable[int]) -> None:
         """Mark a chain of blocks as held. Unknown replicas are added uncapped.
 
         The chain is touched tail-first so its head ends most recently used: under LRU pressure a
@@ -89,7 +89,7 @@ class BlockIndex:
                 self._owners.setdefault(h, set()).add(replica)
         self._evict(replica)
 
-    def remove(self, replica: str, hashes: Iterable[int]) -> None:
+    def remove(self, replica: Hashable, hashes: Iterable[int]) -> None:
         lru = self._lru.get(replica)
         if lru is None:
             return
@@ -97,7 +97,7 @@ class BlockIndex:
             if lru.pop(h, 0) is None:
                 self._drop_owner(h, replica)
 
-    def clear(self, replica: str) -> None:
+    def clear(self, replica: Hashable) -> None:
         lru = self._lru.get(replica)
         if lru is None:
             return
@@ -106,11 +106,15 @@ class BlockIndex:
         lru.clear()
 
     # -- queries -----------------------------------------------------------------------------
-    def contains(self, replica: str, h: int) -> bool:
+    def contains(self, replica: Hashable, h: int) -> bool:
         return h in self._lru.get(replica, ())
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Number of leading blocks of `hashes` each replica holds (replicas with 0 omitted).
+    def match(self, hashes: Sequence[int]) -> dict[Hashable, int]:
+        """Number of leading blocks of `hashes` each replica holds (replicas with 0 omitted)."""
+        return {r: n for group, n in self.match_groups(hashes) for r in group}
+
+    def match_groups(self, hashes: Sequence[int]) -> list[tuple[set[Hashable], int]]:
+        """`match` as (replicas, matched blocks) groups, so callers can fill arrays in bulk.
 
         The walk keeps the set of replicas still matching and only touches it when a block's
         owner set is smaller (or the set is small), so its cost is the chain length plus the pool
@@ -120,41 +124,38 @@ class BlockIndex:
         parents after children, so LRU never evicts a parent first, and `remove` callers drop
         tails; an event-fed index inherits the engine's leaf-first eviction.
         """
-        matched: dict[str, int] = {}
+        groups: list[tuple[set[Hashable], int]] = []
         if not hashes:
-            return matched
+            return groups
         first = self._owners.get(hashes[0])
         if not first:
-            return matched
+            return groups
         alive = set(first)
         n = len(hashes)
         for i in range(1, n):
             holders = self._owners.get(hashes[i])
             if not holders:
-                for r in alive:
-                    matched[r] = i
-                return matched
+                groups.append((alive, i))
+                return groups
             if len(holders) < len(alive) or len(alive) <= 64:
                 nxt = alive & holders
                 if len(nxt) != len(alive):
-                    for r in alive - nxt:
-                        matched[r] = i
+                    groups.append((alive - nxt, i))
                     if not nxt:
-                        return matched
+                        return groups
                     alive = nxt
-        for r in alive:
-            matched[r] = n
-        return matched
+        groups.append((alive, n))
+        return groups
 
     # -- internals ---------------------------------------------------------------------------
-    def _drop_owner(self, h: int, replica: str) -> None:
+    def _drop_owner(self, h: int, replica: Hashable) -> None:
         owners = self._owners.get(h)
         if owners is not None:
             owners.discard(replica)
             if not owners:
                 del self._owners[h]
 
-    def _evict(self, replica: str) -> None:
+    def _evict(self, replica: Hashable) -> None:
         cap = self._capacity.get(replica)
         lru = self._lru.get(replica)
         if cap is None or lru is None:

@@ -51,15 +51,18 @@ class EndpointPicker:
         self.blocks_hit = 0
 
     # -- membership --------------------------------------------------------------------------
+    # The indexes are keyed by pool slot, not name, so a decision can fill score arrays directly.
     def add_replica(self, name: str, kv_blocks: int | None = None, healthy: bool = True) -> None:
-        self.pool.add(name, healthy=healthy)
+        slot = self.pool.add(name, healthy=healthy)
+        self.approx.add_replica(slot)
+        self.precise.add_replica(slot)
         self.set_kv_blocks(name, kv_blocks or self.cfg.default_kv_blocks)
-        self.precise.add_replica(name)
 
     def remove_replica(self, name: str) -> None:
+        slot = self.pool.slots[name]
+        self.approx.remove_replica(slot)
+        self.precise.remove_replica(slot)
         self.pool.remove(name)
-        self.approx.remove_replica(name)
-        self.precise.remove_replica(name)
         for s in [s for s, r in self.sessions.items() if r == name]:
             del self.sessions[s]
 
@@ -70,11 +73,7 @@ class EndpointPicker:
         if block_size:
             self.pool.block_size[slot] = block_size
         engine_bs = block_size or self.block_size
-        cap = max(1, int(kv_blocks * engine_bs / self.block_size))
-        if name in self.approx.replicas():
-            self.approx.set_capacity(name, cap)
-        else:
-            self.approx.add_replica(name, cap)
+        self.approx.set_capacity(slot, max(1, int(kv_blocks * engine_bs / self.block_size)))
 
     # -- decisions ---------------------------------------------------------------------------
     def request(self, tokens: Sequence[int], session: str | None = None) -> RequestCtx:
@@ -118,7 +117,7 @@ class EndpointPicker:
             return
         self.pool.inflight[slot] += 1
         self.pool.pending_tokens[slot] += d.uncached_tokens
-        self.approx.insert(d.replica, d.hashes)
+        self.approx.insert(slot, d.hashes)
         if session is not None:
             self.sessions[session] = d.replica
         self.blocks_routed += d.n_blocks
@@ -139,7 +138,8 @@ class EndpointPicker:
             self.pool.inflight[slot] = max(0.0, self.pool.inflight[slot] - 1)
         if not ok:
             # The replica never served it, so it caches nothing and the hit never happened.
-            self.approx.remove(d.replica, d.hashes[d.hit_blocks:])
+            if slot is not None:
+                self.approx.remove(slot, d.hashes[d.hit_blocks:])
             self.blocks_routed -= d.n_blocks
             self.blocks_hit -= d.hit_blocks
 

@@ -130,9 +130,9 @@ class Router:
         m.decision_latency.observe(d.latency_s)
         m.prefix_blocks.inc(d.n_blocks)
         m.prefix_hit_blocks.inc(d.hit_blocks)
-        m.hit_ratio.set(self.picker.hit_ratio())
 
     def refresh_gauges(self) -> None:
+        self.metrics.hit_ratio.set(self.picker.hit_ratio())
         pool = self.picker.pool
         for name, slot in pool.slots.items():
             self.metrics.r_inflight.labels(name).set(pool.inflight[slot])
@@ -331,8 +331,8 @@ def create_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None, seed: int 
             slot = pool.slots[rep.name]
             out.append({**rep.describe(), "inflight": float(pool.inflight[slot]),
                         "pending_tokens": float(pool.pending_tokens[slot]),
-                        "approx_blocks": router.picker.approx.size(rep.name),
-                        "approx_capacity": router.picker.approx.capacity(rep.name)})
+                        "approx_blocks": router.picker.approx.size(slot),
+                        "approx_capacity": router.picker.approx.capacity(slot)})
         return JSONResponse({"replicas": out, "default_profile": router.cfg.default_profile,
                              "profiles": sorted(router.picker.profiles)})
 

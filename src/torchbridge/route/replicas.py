@@ -218,22 +218,22 @@ class ReplicaPool:
         if slot is None:
             return
         if payload.get("dropped"):
-            idx.clear(rep.name)  # we missed evictions: forget everything rather than over-claim
+            idx.clear(slot)  # we missed evictions: forget everything rather than over-claim
         for ev in payload.get("events", []):
             typ = ev.get("type")
             if typ == "stored":
                 if int(ev.get("block_size", self.picker.block_size)) != self.picker.block_size:
                     rep.publishes_events = False  # keys cannot match ours; stay approximate
                     pool.precise[slot] = False
-                    idx.clear(rep.name)
+                    idx.clear(slot)
                     return
-                idx.insert(rep.name, ev["block_hashes"])
+                idx.insert(slot, ev["block_hashes"])
             elif typ == "removed":
-                idx.remove(rep.name, ev["block_hashes"])
-                self.picker.approx.remove(rep.name, ev["block_hashes"])  # correct our guesses too
+                idx.remove(slot, ev["block_hashes"])
+                self.picker.approx.remove(slot, ev["block_hashes"])  # correct our guesses too
             elif typ == "cleared":
-                idx.clear(rep.name)
-                self.picker.approx.clear(rep.name)
+                idx.clear(slot)
+                self.picker.approx.clear(slot)
             rep.events_seen += 1
         rep.events_next = int(payload.get("next", rep.events_next))
         rep.publishes_events = True

@@ -50,15 +50,13 @@ class PickContext:
         pool = self.pool
         hits = np.zeros(len(pool.names), dtype=np.float64)
         if mode in ("approx", "auto"):
-            for name, n in self.approx.match(self.req.hashes).items():
-                slot = pool.slots.get(name)
-                if slot is not None:
-                    hits[slot] = n
-        if mode in ("precise", "auto") and self.precise is not None:
-            for name, n in self.precise.match(self.req.hashes).items():
-                slot = pool.slots.get(name)
-                if slot is not None and pool.precise[slot] and n > hits[slot]:
-                    hits[slot] = n
+            for group, n in self.approx.match_groups(self.req.hashes):
+                hits[np.fromiter(group, dtype=np.int64, count=len(group))] = n
+        if mode in ("precise", "auto") and self.precise is not None and pool.precise.any():
+            exact = np.zeros_like(hits)
+            for group, n in self.precise.match_groups(self.req.hashes):
+                exact[np.fromiter(group, dtype=np.int64, count=len(group))] = n
+            hits = np.where(pool.precise, np.maximum(hits, exact), hits)
         self._hits[mode] = hits
         return hits
 

@@ -135,7 +135,8 @@ class SimReplica:
             if self.kv_used + need > m.kv_blocks and (self.running or admitted):
                 break  # wait for memory; a lone oversized request is admitted anyway
             self.waiting.popleft()
-            hit = self.cache.match(r.hashes).get(self.name, 0)
+            groups = self.cache.match_groups(r.hashes)
+            hit = groups[0][1] if groups else 0
             r.cached_tokens = min(hit * m.block_size, max(0, r.n_prompt - 1))
             uncached += r.n_prompt - r.cached_tokens
             r.blocks = need
@@ -312,15 +313,15 @@ def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_
     src = _TokenSource()
     system = list(range(1000, 1000 + wl.system_tokens))  # the same for every session
     bs = sim.picker.block_size
+    system_hashes = block_hashes(system, bs)
     rid = [0]
     mu = math.log(wl.tool_latency_median_s)
     nsess = [0]
 
     def new_session() -> _Session:
         nsess[0] += 1
-        s = _Session(f"s{nsess[0]}", list(system) + src.take(wl.first_user_tokens), [],
-                     rng.randint(*wl.turns))
-        return s
+        return _Session(f"s{nsess[0]}", list(system) + src.take(wl.first_user_tokens), list(system_hashes),
+                        rng.randint(*wl.turns), hashed_blocks=len(system_hashes))
 
     def send(s: _Session) -> None:
         if sim.now >= duration_s:

@@ -2,10 +2,12 @@
 
 The KV cache of one layer is a pair of tensors `[num_blocks + 1, block_size, num_kv_heads, head_dim]`;
 the extra last block is scratch space that padding tokens write into, so a padded step never needs a
-data-dependent shape. A step's tokens arrive flat (`[N, ...]`, sequences concatenated); attention
-scatters the queries into a `[batch, max_query_len]` grid, gathers each sequence's keys and values by
-its block table, and runs one masked `scaled_dot_product_attention`. Every index tensor is built by the
-model runner, so shapes depend only on (tokens, batch, query length, blocks): the shape bucket.
+data-dependent shape. A step's tokens arrive flat (`[N, ...]`, sequences concatenated). Attention runs
+per group of sequences: decodes (one query each) in one group, multi-token chunks (prefill, speculative
+verification) in another, so that a long prefill does not pad every decode row to its length. Within a
+group the queries are scattered into a `[batch, max_query_len]` grid, each sequence's keys and values
+are gathered by its block table, and one masked `scaled_dot_product_attention` runs. Every index tensor
+is built by the model runner, so shapes depend only on the shape bucket.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
+class AttentionGroup:
     query_index: torch.Tensor  # [B, T] flat token index of each grid cell (padding points anywhere)
-    output_index: torch.Tensor  # [N] grid cell (b * T + t) of each flat token
     block_tables: torch.Tensor  # [B, max_blocks] cache block ids (padding -> scratch block)
     mask: torch.Tensor  # [B, 1, T, max_blocks * block_size] True where a query may attend
+    out_tokens: torch.Tensor  # [n] flat index each result goes to (padding -> N, a discarded row)
+    out_cells: torch.Tensor  # [n] grid cell (b * T + t) each result comes from
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
+    groups: list[AttentionGroup]
 
 
 def build_mask(
@@ -52,17 +60,20 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
-    batch, max_q = meta.query_index.shape
-    qg = q[meta.query_index].transpose(1, 2)  # [B, H, T, D]
-    kg = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-    vg = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    if kg.shape[1] != qg.shape[1]:
-        rep = qg.shape[1] // kg.shape[1]
-        kg = kg.repeat_interleave(rep, dim=1)
-        vg = vg.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=scale)
-    out = out.transpose(1, 2).reshape(batch * max_q, -1)
-    return out[meta.output_index]
+    out = q.new_zeros(n + 1, num_heads * head_dim)
+    for g in meta.groups:
+        batch, max_q = g.query_index.shape
+        qg = q[g.query_index].transpose(1, 2)  # [B, H, T, D]
+        kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+        vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+        if num_kv_heads != num_heads:
+            kg = kg.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            vg = vg.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+        o = o.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
+        out.index_copy_(0, g.out_tokens, o[g.out_cells])
+    return out[:n]

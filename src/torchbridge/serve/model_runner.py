@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchbridge.serve.attention import AttentionMetadata, build_mask
+from torchbridge.serve.attention import AttentionGroup, AttentionMetadata, build_mask
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.models import load_model
 from torchbridge.serve.scheduler import Batch
@@ -60,11 +60,10 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
         sample: list[int] = []
         rows: list[tuple[int, int]] = []
+        # Per group (decodes, chunks): (first flat token, query length, context length, block table).
+        groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
         for it in batch.items:
             seq = it.seq
             start = seq.num_computed_tokens
@@ -74,59 +73,75 @@ class ModelRunner:
             p = range(start, start + len(toks))
             pos.extend(p)
             slots.extend(seq.block_table[i // bs] * bs + i % bs for i in p)
-            q_lens.append(len(toks))
-            ctx_lens.append(start + len(toks))
-            tables.append(seq.block_table[: -(-ctx_lens[-1] // bs)])
+            ctx = start + len(toks)
+            groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table[: -(-ctx // bs)]))
             if it.samples:
                 k = 1 + len(it.draft_tokens)
                 rows.append((len(sample), k))
                 sample.extend(range(first + len(toks) - k, first + len(toks)))
             else:
                 rows.append((len(sample), 0))
-        n, b, t = len(ids), len(q_lens), max(q_lens)
-        mb, m = max(len(tb) for tb in tables), len(sample)
+        num_real = len(ids)
+        n, m = len(ids), len(sample)
         if pad:
-            n, b, t = _bucket(n, 16), _bucket(b), _bucket(t)
-            mb, m = min(_bucket(mb), _bucket(self.max_blocks_per_seq)), _bucket(max(m, 1))
-        scratch_slot = self.scratch_block * bs
+            n, m = _bucket(n, 16), _bucket(max(m, 1))
         ids += [0] * (n - len(ids))
         pos += [0] * (n - len(pos))
-        slots += [scratch_slot] * (n - len(slots))
-        query_index = [[0] * t for _ in range(b)]
-        q_pos = [[0] * t for _ in range(b)]
-        output_index = [0] * n
-        flat = 0
-        for row, q in enumerate(q_lens):
-            for j in range(q):
-                query_index[row][j] = flat
-                q_pos[row][j] = pos[flat]
-                output_index[flat] = row * t + j
-                flat += 1
-        block_tables = [tb + [self.scratch_block] * (mb - len(tb)) for tb in tables]
-        block_tables += [[self.scratch_block] * mb for _ in range(b - len(tables))]
-        ctx_lens += [0] * (b - len(ctx_lens))
+        slots += [self.scratch_block * bs] * (n - len(slots))
         sample += [0] * (m - len(sample))
         dev = self.device
 
         def tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        q_pos_t, ctx_t = tensor(q_pos), tensor(ctx_lens)
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
-            query_index=tensor(query_index),
-            output_index=tensor(output_index),
-            block_tables=tensor(block_tables),
-            mask=build_mask(q_pos_t, ctx_t, mb * bs, self.sliding_window),
-        )
+        attn_groups = [self._group(g, pos, n, pad, tensor) for g in groups.values() if g]
+        meta = AttentionMetadata(slot_mapping=tensor(slots), groups=attn_groups)
+        assert num_real <= n
         return StepInput(tensor(ids), tensor(pos), meta, tensor(sample), rows, len(sample))
+
+    def _group(self, members: list[tuple[int, int, int, list[int]]], pos: list[int], n: int, pad: bool,
+               tensor: object) -> AttentionGroup:
+        bs = self.block_size
+        b, t = len(members), max(q for _, q, _, _ in members)
+        mb = max(len(tb) for *_, tb in members)
+        out_len = sum(q for _, q, _, _ in members)
+        if pad:
+            b, t, out_len = _bucket(b), _bucket(t), _bucket(out_len, 16)
+            mb = min(_bucket(mb), _bucket(self.max_blocks_per_seq))
+        query_index = [[0] * t for _ in range(b)]
+        q_pos = [[0] * t for _ in range(b)]
+        ctx_lens = [0] * b
+        out_tokens: list[int] = []
+        out_cells: list[int] = []
+        tables = []
+        for row, (first, q, ctx, tb) in enumerate(members):
+            for j in range(q):
+                query_index[row][j] = first + j
+                q_pos[row][j] = pos[first + j]
+                out_tokens.append(first + j)
+                out_cells.append(row * t + j)
+            ctx_lens[row] = ctx
+            tables.append(tb + [self.scratch_block] * (mb - len(tb)))
+        tables += [[self.scratch_block] * mb for _ in range(b - len(members))]
+        # Padding results land in row n of the output, which is dropped.
+        out_tokens += [n] * (out_len - len(out_tokens))
+        out_cells += [0] * (out_len - len(out_cells))
+        q_pos_t = tensor(q_pos)  # type: ignore[operator]
+        return AttentionGroup(
+            query_index=tensor(query_index),  # type: ignore[operator]
+            block_tables=tensor(tables),  # type: ignore[operator]
+            mask=build_mask(q_pos_t, tensor(ctx_lens), mb * bs, self.sliding_window),  # type: ignore[operator]
+            out_tokens=tensor(out_tokens),  # type: ignore[operator]
+            out_cells=tensor(out_cells),  # type: ignore[operator]
+        )
 
     @torch.inference_mode()
     def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
         inp = self.prepare(batch, pad)
         self.shapes_seen.add(
-            (inp.input_ids.shape[0], *inp.meta.query_index.shape, inp.meta.block_tables.shape[1], inp.sample_index.shape[0])
+            (inp.input_ids.shape[0], inp.sample_index.shape[0])
+            + tuple(x for g in inp.meta.groups for x in (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0]))
         )
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         logits = self.model.compute_logits(hidden[inp.sample_index])
@@ -146,23 +161,15 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
-        scratch = self.scratch_block
         for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
             b, t = (x, 1) if kind == "decode" else (1, x)
             n = _bucket(b * t, 16)
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((n,), scratch * bs, dtype=torch.long, device=self.device),
-                query_index=torch.zeros((b, t), dtype=torch.long, device=self.device),
-                output_index=torch.zeros((n,), dtype=torch.long, device=self.device),
-                block_tables=torch.full((b, mb), scratch, dtype=torch.long, device=self.device),
-                mask=build_mask(
-                    torch.zeros((b, t), dtype=torch.long, device=self.device),
-                    torch.zeros((b,), dtype=torch.long, device=self.device),
-                    mb * bs,
-                    self.sliding_window,
-                ),
-            )
             zeros = torch.zeros((n,), dtype=torch.long, device=self.device)
+            table = [self.scratch_block] * mb
+            group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n, True,
+                                lambda v: torch.tensor(v, dtype=torch.long, device=self.device))
+            meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
+                                                             device=self.device), groups=[group])
             hidden = self.model(zeros, zeros, self.kv_caches, meta)
             self.model.compute_logits(hidden[zeros[: _bucket(b)]])
         return len(shapes)

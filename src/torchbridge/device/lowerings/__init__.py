@@ -1,3 +1,11 @@
 """Importing this package fills the lowering table (see registry.py)."""
 
-from torchbridge.device.lowerings import core  # noqa: F401
+from torchbridge.device.lowerings import (
+    core,  # noqa: F401
+    creation,  # noqa: F401
+    elementwise,  # noqa: F401
+    indexing,  # noqa: F401
+    prims,  # noqa: F401
+    reduction,  # noqa: F401
+    view_ops,  # noqa: F401
+)

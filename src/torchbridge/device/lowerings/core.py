@@ -272,9 +272,11 @@ def addmm(bias, a, b, beta=1, alpha=1):
 def _dims(dim, ndim):
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return None
+    if ndim == 0:  # a 0-dim tensor accepts dim 0/-1; reducing over it is the identity
+        return None
     if isinstance(dim, int):
         dim = [dim]
-    return tuple(d % ndim if ndim else 0 for d in dim)
+    return tuple(d % ndim for d in dim)
 
 
 @lower("sum")
@@ -301,9 +303,9 @@ def amin(a, dim=(), keepdim=False):
 
 @lower("_softmax")
 def softmax(a, dim, half_to_float):
-    return jax.nn.softmax(a.astype(out_dtype()), axis=dim)
+    return jax.nn.softmax(a.astype(out_dtype()), axis=dim if a.ndim else None)
 
 
 @lower("_log_softmax")
 def log_softmax(a, dim, half_to_float):
-    return jax.nn.log_softmax(a.astype(out_dtype()), axis=dim)
+    return jax.nn.log_softmax(a.astype(out_dtype()), axis=dim if a.ndim else None)

@@ -65,6 +65,11 @@ def functional_name(op: Any) -> str:
 def find(op: Any) -> Lowering | None:
     base = functional_name(op)
     overload = op._overloadname
+    ns = op.namespace
+    if ns != "aten":  # prims/other namespaces may differ in signature from the aten op of that name
+        found = LOWERINGS.get(f"{ns}::{base}")
+        if found is not None:
+            return found
     return LOWERINGS.get(f"{base}.{overload}") or LOWERINGS.get(base)
 
 

@@ -1,0 +1,297 @@
+"""The Dynamo backend: FX graph -> the eager lowering table -> one jax.jit per graph.
+
+AOTAutograd captures forward and backward as functional core-ATen graphs (input mutations are
+applied by its runtime wrapper, so our graphs are pure). Each graph is interpreted once, at trace
+time, through the SAME lowerings the eager mode uses; the result is one XLA executable per graph
+and per input layout. Inputs are read straight from their storage buffers inside the executable, so
+parameters are never copied per call; outputs become device tensors by swapping in new buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch.fx.node import map_arg
+
+from torchbridge.device import dtypes, views
+from torchbridge.device.lowerings import registry
+from torchbridge.device.state import STATE
+
+log = logging.getLogger(__name__)
+compile_counter: Counter[str] = Counter()
+
+
+class GraphProgram:
+    """A callable standing in for one FX graph; compiles once per input layout."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str) -> None:
+        self.gm = gm
+        self.name = name
+        self.nodes = list(gm.graph.nodes)
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in self.nodes if n.op == "output")
+        self.random = any(_is_random(n) for n in self.nodes)
+        self._programs: dict[Any, tuple[Any, list]] = {}
+        self._last_key: Any = None
+        self._constants = {
+            n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"
+        }
+
+    # -- call ------------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        from torchbridge.device import ops
+
+        STATE.table.drain()
+        descs, bufs, hosts, device = [], [], [], None
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type == STATE.name:
+                device = device or a.device
+                storage = a.untyped_storage()
+                jdt = dtypes.to_jax(a.dtype)
+                buf = STATE.table.get_or_zeros(storage.data_ptr(), storage.nbytes(), jdt, STATE.jax_device(a.device.index or 0))
+                spec = views.ViewSpec(tuple(a.shape), tuple(a.stride()), a.storage_offset())
+                descs.append(("d", spec, jdt, buf.dtype, buf.shape[0], storage.nbytes()))
+                bufs.append(buf)
+            elif isinstance(a, torch.Tensor):
+                descs.append(("h", tuple(a.shape), a.dtype))
+                hosts.append(jnp.asarray(dtypes.host_to_numpy(a)))
+            else:
+                descs.append(("c", a))
+        consts = []
+        for t in self._constants.values():
+            consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
+        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts))
+        entry = self._programs.get(key)
+        if entry is None:
+            if self._programs:
+                log.warning("torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
+            entry = self._build(descs)
+            self._programs[key] = entry
+            compile_counter[self.name] += 1
+        self._last_key = key
+        fn, out_meta = entry
+        device = device or torch.device(STATE.name, STATE.current_device)
+        rng = STATE.next_rng(device.index or 0) if self.random else None
+        flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        results, it = [], iter(flat_out)
+        for m in out_meta:
+            if m is None:
+                results.append(None)
+            elif m[0] == "const":
+                results.append(m[1])
+            else:
+                _, shape, stride, dt = m
+                t = torch.empty_strided(shape, stride, dtype=dt, device=device)
+                STATE.table.set(t.untyped_storage().data_ptr(), next(it))
+                results.append(t)
+        return results
+
+    # -- trace -----------------------------------------------------------------------------------
+    def _build(self, descs: list) -> tuple[Any, list]:
+        out_vals = self.output_node.args[0]
+        out_meta: list[Any] = []
+        for v in out_vals:
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor):
+                val = v.meta["val"]
+                out_meta.append(("t", tuple(val.shape), tuple(val.stride()), val.dtype))
+            elif isinstance(v, torch.fx.Node):
+                out_meta.append(None if v.meta.get("val") is None else ("const", v.meta.get("val")))
+            else:
+                out_meta.append(None if v is None else ("const", v))
+
+        def program(bufs, hosts, consts, rng):
+            env: dict[torch.fx.Node, Any] = {}
+            bi, hi = 0, 0
+            for node, d in zip(self.placeholders, descs, strict=True):
+                if d[0] == "d":
+                    _, spec, jdt, _, _, nbytes = d
+                    flat = views.bitcast_flat(bufs[bi], jdt, nbytes // jnp.dtype(jdt).itemsize)
+                    env[node] = views.read(flat, spec)
+                    bi += 1
+                elif d[0] == "h":
+                    env[node] = hosts[hi]
+                    hi += 1
+                else:
+                    env[node] = d[1]
+            const_vals = dict(zip(self._constants, consts, strict=True))
+            base_key = None if rng is None else jax.random.fold_in(jax.random.key(rng[0]), rng[1])
+            for i, node in enumerate(self.nodes):
+                if node.op == "get_attr":
+                    env[node] = const_vals[node.target]
+                elif node.op == "call_function":
+                    env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i))
+            outs = []
+            for v, m in zip(out_vals, out_meta, strict=True):
+                if m is None or m[0] == "const":
+                    continue
+                _, shape, stride, dt = m
+                x = jnp.broadcast_to(_cast(env[v], dtypes.to_jax(dt)), shape)
+                outs.append(views.layout(x, views.ViewSpec(shape, stride, 0), _storage_numel(shape, stride)))
+            return tuple(outs)
+
+        return jax.jit(program), out_meta
+
+    def _run_node(self, node: torch.fx.Node, env: dict, key: Any) -> Any:
+        target = node.target
+        args = map_arg(node.args, lambda n: env[n])
+        kwargs = map_arg(node.kwargs, lambda n: env[n])
+        if target is operator.getitem:
+            return args[0][args[1]]
+        if not isinstance(target, torch._ops.OpOverload):
+            raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target}")
+        lowering = registry.find(target)
+        if lowering is None:
+            raise NotImplementedError(
+                f"torchbridge.compile: operator '{target}' has no lowering for the '{STATE.name}' device"
+            )
+        val = node.meta.get("val")
+        leaves = _tensor_leaves(val)
+        ctx = registry.TraceContext(
+            out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key
+        )
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        with registry.tracing(ctx):
+            res = lowering.fn(*args, **kwargs)
+        if lowering.mutates:
+            res, _ = res
+        return _cast_like(res, val)
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    lowering = registry.find(node.target)
+    return bool(lowering and lowering.random)
+
+
+def _tensor_leaves(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensor_leaves(v)]
+    return []
+
+
+def _cast(x: Any, dt: jnp.dtype) -> Any:
+    x = jnp.asarray(x)
+    if dt == jnp.bool_ and x.dtype != jnp.bool_:
+        return x != 0
+    return x.astype(dt)
+
+
+def _cast_like(res: Any, val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        out = _cast(res, dtypes.to_jax(val.dtype))
+        return jnp.broadcast_to(out, tuple(val.shape)) if out.shape != tuple(val.shape) else out
+    if isinstance(val, (list, tuple)) and isinstance(res, (list, tuple)):
+        return type(res)(_cast_like(r, v) for r, v in zip(res, val, strict=False))
+    return res
+
+
+def _storage_numel(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+
+
+def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _diff(old: Any, new: Any) -> str:
+    if old is None:
+        return "first call"
+    changes = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[0], new[0], strict=False)) if a != b]
+    return "; ".join(changes) or "constants changed"
+
+
+_graph_ids = Counter()
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """An AOTAutograd fw/bw compiler: returns a boxed callable running the graph as one executable."""
+    from functorch.compile import make_boxed_func
+
+    _graph_ids["graph"] += 1
+    return make_boxed_func(GraphProgram(gm, f"graph{_graph_ids['graph']}"))
+
+
+def _decompositions() -> dict:
+    """Decompose exactly the ops we cannot lower: core ATen's table plus any other known decomposition."""
+    from torch._decomp import decomposition_table
+
+    table = {}
+    for op, fn in {**decomposition_table, **core_aten_decompositions()}.items():
+        if isinstance(op, torch._ops.OpOverload) and registry.find(op) is None:
+            table[op] = fn
+    return table
+
+
+_seen_graphs: dict[Any, list] = {}
+
+
+def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    """Same graph structure, new input shapes: that is a recompile; say which input changed."""
+    structure = tuple((n.op, str(n.target)) for n in gm.graph.nodes)
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    previous = _seen_graphs.get(structure)
+    if previous is not None and previous != shapes:
+        changed = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(previous, shapes, strict=False)) if a != b]
+        compile_counter["recompiles"] += 1
+        log.warning("torchbridge.compile: recompiling for new input shapes (%s)", "; ".join(changed))
+    _seen_graphs[structure] = shapes
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """The function registered as torch.compile's `backend="tpu"`.
+
+    Shapes are static, as on TorchTPU: Dynamo's automatic dynamic shapes are turned off so a new
+    shape compiles a new static program (pad to buckets with torchbridge.compile.pad_to_bucket).
+    """
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    _log_recompile(gm, example_inputs)
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, decompositions=_decompositions())(
+        gm, example_inputs
+    )
+
+
+def register(name: str) -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if name not in _BACKENDS:
+        register_backend(compiler_fn=tpu_backend, name=name)
+
+
+def metrics() -> dict[str, Any]:
+    graphs = {k: v for k, v in compile_counter.items() if k != "recompiles"}
+    return {"graphs_compiled": sum(graphs.values()), "recompiles": compile_counter["recompiles"], "by_graph": graphs}
+
+
+def bucket(n: int, buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)) -> int:
+    """The smallest bucket >= n (or n rounded up to a multiple of the largest bucket)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return -(-n // buckets[-1]) * buckets[-1]
+
+
+def pad_to_bucket(x: torch.Tensor, dim: int = -1, value: float = 0, buckets: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Pad `x` along `dim` to its shape bucket so compiled programs see few distinct shapes."""
+    n = x.shape[dim]
+    target = bucket(n, buckets) if buckets else bucket(n)
+    if target == n:
+        return x
+    pad = [0, 0] * (x.dim() - (dim % x.dim()) - 1) + [0, target - n]
+    return torch.nn.functional.pad(x, pad, value=value)

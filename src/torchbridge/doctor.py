@@ -1,0 +1,27 @@
+"""`python -m torchbridge doctor`: what this machine gives the backend."""
+
+from __future__ import annotations
+
+import platform
+
+
+def main(argv: list[str] | None = None) -> int:
+    import jax
+    import torch
+
+    import torchbridge
+
+    name = torchbridge.device_name()
+    print(f"python      {platform.python_version()}")
+    print(f"torch       {torch.__version__}")
+    print(f"jax         {jax.__version__} (default backend: {jax.default_backend()})")
+    err = torchbridge.registration_error()
+    if err is not None:
+        print(f"device      NOT registered: {err}")
+        return 1
+    mod = getattr(torch, name)
+    print(f"device      {name}: {mod.device_count()} x {mod.get_device_name(0)}")
+    x = torch.arange(6.0).reshape(2, 3)
+    ok = torch.equal((x.to(name) * 2).cpu(), x * 2)
+    print(f"smoke test  {'ok' if ok else 'MISMATCH'}")
+    return 0 if ok else 1

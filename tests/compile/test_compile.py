@@ -1,0 +1,141 @@
+"""torch.compile(backend="tpu") against CPU eager PyTorch (the independent reference)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchbridge  # noqa: F401  (registers the device and the backend)
+from torchbridge.compile import backend as compile_backend
+
+DEV = torchbridge.device_name()
+
+
+def _pair(module: nn.Module) -> tuple[nn.Module, nn.Module]:
+    return module, copy.deepcopy(module).to(DEV)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_mlp_forward_backward_matches_cpu():
+    torch.manual_seed(0)
+    cpu, dev = _pair(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)))
+    x = torch.randn(6, 8)
+    compiled = torch.compile(dev, backend="tpu")
+    out = compiled(x.to(DEV))
+    ref = cpu(x)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
+        torch.testing.assert_close(p_dev.grad.cpu(), p_ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_second_call_does_not_recompile_and_new_shape_is_logged(caplog):
+    torch.manual_seed(0)
+    cpu, dev = _pair(nn.Linear(4, 3))
+    compiled = torch.compile(dev, backend="tpu")
+    with torch.no_grad():
+        compiled(torch.randn(2, 4).to(DEV))
+        before = compile_backend.metrics()["graphs_compiled"]
+        x = torch.randn(2, 4)
+        out = compiled(x.to(DEV))
+        assert compile_backend.metrics()["graphs_compiled"] == before
+        torch.testing.assert_close(out.cpu(), cpu(x), atol=1e-6, rtol=1e-5)
+        with caplog.at_level(logging.WARNING):
+            x3 = torch.randn(5, 4)
+            out3 = compiled(x3.to(DEV))
+    torch.testing.assert_close(out3.cpu(), cpu(x3), atol=1e-6, rtol=1e-5)
+    assert compile_backend.metrics()["graphs_compiled"] > before
+    assert compile_backend.metrics()["recompiles"] >= 1
+    assert "recompiling for new input shapes" in caplog.text and "(2, 4) -> (5, 4)" in caplog.text
+
+
+def test_training_loop_20_steps_tracks_cpu_eager():
+    torch.manual_seed(0)
+    cpu, dev = _pair(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1)))
+    opt_cpu = torch.optim.SGD(cpu.parameters(), lr=0.05, momentum=0.9)
+    opt_dev = torch.optim.SGD(dev.parameters(), lr=0.05, momentum=0.9)
+    data = [(torch.randn(16, 10), torch.randn(16, 1)) for _ in range(20)]
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled_model = torch.compile(dev, backend="tpu")
+    for x, y in data:
+        ref = step(cpu, opt_cpu, x, y)
+        got = step(compiled_model, opt_dev, x.to(DEV), y.to(DEV))
+        assert abs(got.item() - ref.item()) < 1e-4
+
+
+class _WithBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h) * 2
+
+
+def test_graph_break_pieces_compile_and_stay_correct():
+    torch.manual_seed(0)
+    cpu, dev = _pair(_WithBreak())
+    x = torch.randn(3, 6)
+    out = torch.compile(dev, backend="tpu")(x.to(DEV))
+    torch.testing.assert_close(out.cpu(), cpu(x), atol=1e-5, rtol=1e-5)
+
+
+def test_batchnorm_training_updates_running_stats():
+    torch.manual_seed(0)
+    cpu, dev = _pair(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)))
+    cpu.train()
+    dev.train()
+    compiled = torch.compile(dev, backend="tpu")
+    for _ in range(3):
+        x = torch.randn(8, 5)
+        torch.testing.assert_close(compiled(x.to(DEV)).cpu(), cpu(x), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dev[1].running_mean.cpu(), cpu[1].running_mean, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dev[1].running_var.cpu(), cpu[1].running_var, atol=1e-6, rtol=1e-5)
+    assert int(dev[1].num_batches_tracked.cpu()) == 3
+
+
+class _KVWriter(nn.Module):
+    """Writes each step's key into a cache buffer at a position, then attends over the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1, 8, 4))
+
+    def forward(self, x, pos):
+        k = self.proj(x)
+        self.cache.index_copy_(1, pos, k)
+        return torch.softmax(k @ self.cache.transpose(1, 2), dim=-1) @ self.cache
+
+
+def test_kv_cache_writing_model_compiles_and_mutates_buffer():
+    torch.manual_seed(0)
+    cpu, dev = _pair(_KVWriter())
+    compiled = torch.compile(dev, backend="tpu")
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(1, 1, 4)
+            pos = torch.tensor([step])
+            torch.testing.assert_close(compiled(x.to(DEV), pos.to(DEV)).cpu(), cpu(x, pos), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dev.cache.cpu(), cpu.cache, atol=1e-6, rtol=1e-5)
