@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,8 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
                 mutated.append(a.name)
                 if a.kwarg_only and a.is_out:
                     out_args.append(a.name)
+        # native_batch_norm updates its running stats in training although its schema has no (a!).
+        mutated += [m for m in (lowering.mutates if lowering else ()) if m not in mutated]
         inplace = bool(mutated) and not out_args and mutated[0] == schema.arguments[0].name and (
             registry.functional_name(op) != schema.name.split("::")[-1]
         )
@@ -123,11 +125,11 @@ def _encode_call(info: OpInfo_, args: tuple, kwargs: dict) -> tuple[_Call, tuple
 
 # ---- tensor classification ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _DeviceArg:
+class _DeviceArg(NamedTuple):
+    # A NamedTuple, not a dataclass: it is hashed into the cache key on every call.
     slot: int
     spec: views.ViewSpec
-    dtype: jnp.dtype
+    dtype: Any
 
 
 def _device_mismatch(a: torch.device, b: torch.device) -> RuntimeError:
@@ -225,7 +227,9 @@ def _as_list(x: Any) -> list:
         for v in x:
             out.extend(_as_list(v))
         return out
-    return [x]
+    # None stands for an output the op leaves undefined (output_mask=False in backward ops); the
+    # meta result has no tensor leaf there either.
+    return [] if x is None else [x]
 
 
 def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list, storages: list,
@@ -361,7 +365,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     # Host tensors: 0-dim ones become (weakly typed) scalar values, others arrays on the device.
     hosts, host_scalars = [], []
     for i, d in enumerate(descs):
-        if isinstance(d, tuple):
+        if not isinstance(d, _DeviceArg):
             if d[0] == "scalar":
                 host_scalars.append(call.tensors[i].item())
             else:

@@ -8,6 +8,7 @@ switch that enables CPU fallback.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -277,8 +278,19 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 
 
 def register_kernels() -> None:
-    """Import the lowering modules (they fill the table)."""
+    """Import the lowering modules (they fill the table) and claim the ops they list in KERNEL_OVERRIDES."""
+    global _override_lib
     from torchbridge.device import lowerings  # noqa: F401
+
+    if _override_lib is None:
+        _override_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kernels for existing aten ops
+        for name in sorted(registry.KERNEL_OVERRIDES):
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(aten, packet), overload or "default")
+            _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+
+
+_override_lib: torch.library.Library | None = None
 
 
 def metrics() -> dict[str, Any]:

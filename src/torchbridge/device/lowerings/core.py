@@ -47,9 +47,10 @@ def full(size, fill_value, **kwargs):
     return jnp.full(out_shape(), fill_value)
 
 
-@lower("arange")
+# start/end/step fix the output length, so their values must key the program (not be traced).
+@lower("arange", static=("start", "end", "step"))
 def arange(*args, **kwargs):
-    # Scalars may be traced, the length comes from the meta kernel.
+    # The length comes from the meta kernel.
     nums = [a for a in args if not isinstance(a, (list, tuple))]
     start, step = 0, 1
     if len(nums) == 1:

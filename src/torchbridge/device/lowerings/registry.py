@@ -28,6 +28,12 @@ class Lowering:
 
 LOWERINGS: dict[str, Lowering] = {}
 
+# Ops whose CompositeExplicitAutograd kernel would win over the device fallback (PyTorch prefers it to a
+# backend fallback): convolution_overrideable only throws, native_layer_norm detours through batch
+# norm. Lowering modules name such overloads here; ops.register_kernels gives each one an explicit
+# device kernel that enters the fallback.
+KERNEL_OVERRIDES: set[str] = set()
+
 
 def lower(*ops: Any, random: bool = False, mutates: tuple[str, ...] = (), static: tuple[str, ...] = ()):
     """Register `fn` as the lowering of each op (an OpOverloadPacket, OpOverload, or name)."""
