@@ -121,7 +121,7 @@ def test_scatter_reduce(reduce):
     idx = torch.tensor([[0, 0, 4, 1], [2, 2, 2, 3], [1, 0, 1, 0]])
     src = torch.randn(3, 4)
     for include_self in (True, False):
-        check(lambda b, i, s: b.scatter_reduce(1, i, s, reduce, include_self=include_self), base, idx, src)
+        check(lambda b, i, s, inc=include_self: b.scatter_reduce(1, i, s, reduce, include_self=inc), base, idx, src)
     if reduce == "mean":  # integer mean rounds down, as on CPU
         ib = torch.arange(15).view(3, 5)
         check(lambda b, i, s: b.scatter_reduce(1, i, s, "mean"), ib, idx, torch.arange(12).view(3, 4) * 3)

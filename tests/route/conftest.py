@@ -35,7 +35,7 @@ def fake_replicas() -> Iterator[Callable[..., list[Fake]]]:
 
     def make(n: int, **knobs: Any) -> list[Fake]:
         out = []
-        for i in range(n):
+        for _ in range(n):
             k = Knobs(name=f"fake{len(started)}", **knobs)
             s = ServerThread(make_app(k), free_port()).start()
             started.append(s)

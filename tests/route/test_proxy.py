@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_index import reference_chain
 
+from conftest import wait_for
 from torchbridge.route.proxy import REPLICA_HEADER
 
 BODY = {"model": "fake-model", "prompt": "def fib(n):\n    " * 20, "max_tokens": 6}
@@ -183,7 +183,6 @@ def test_runtime_add_and_remove(fake_replicas, router) -> None:
 
 def test_reload_from_config_file(fake_replicas, tmp_path) -> None:
     from conftest import ServerThread, free_port
-
     from torchbridge.route.config import load_config
     from torchbridge.route.proxy import create_app
 

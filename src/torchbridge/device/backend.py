@@ -21,6 +21,7 @@ def register(name: str = "tpu") -> None:
         return
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
+    _enable_persistent_cache()
     from torchbridge.device import device_module, native, ops
 
     mod = native.load()
@@ -35,6 +36,24 @@ def register(name: str = "tpu") -> None:
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
     # pyproject.toml, so importing torchbridge does not import Dynamo.
+
+
+def _enable_persistent_cache() -> None:
+    """XLA executables persist on disk, so a second process skips recompiling what the first compiled.
+
+    TORCHBRIDGE_COMPILE_CACHE=0 turns it off; TORCHBRIDGE_COMPILE_CACHE_DIR moves it. Only programs
+    that took at least TORCHBRIDGE_COMPILE_CACHE_MIN_SECS (default 0.1 s) to compile are written, so
+    the thousands of tiny eager programs do not flood the disk.
+    """
+    if os.environ.get("TORCHBRIDGE_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    from pathlib import Path
+
+    path = os.environ.get("TORCHBRIDGE_COMPILE_CACHE_DIR", str(Path.home() / ".cache" / "torchbridge" / "xla"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("TORCHBRIDGE_COMPILE_CACHE_MIN_SECS", "0.1")))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _device_count() -> int:

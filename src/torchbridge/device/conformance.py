@@ -553,13 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args.max_samples, args.budget)
         return 0
-    all_keys = [op_key(o) for o in all_ops()]
+    ops = all_ops()
+    all_keys = [op_key(o) for o in ops]
     if args.all:
         keys = list(all_keys)
     else:
-        want = [k for k in args.ops.split(",") if k]
-        keys = [k for k in all_keys if k in want or k.split(".")[0] in want]
-        unknown = [w for w in want if not any(k == w or k.split(".")[0] == w for k in all_keys)]
+        want = {k for k in args.ops.split(",") if k}  # an OpInfo name selects all its variants
+        keys = [op_key(o) for o in ops if op_key(o) in want or o.name in want]
+        unknown = sorted(w for w in want if not any(op_key(o) == w or o.name == w for o in ops))
         if unknown:
             print(f"unknown OpInfo names: {', '.join(unknown)}", file=sys.stderr)
             return 2

@@ -67,11 +67,8 @@ def get_platform() -> str:
 
 def synchronize(device: int | str | torch.device | None = None) -> None:
     """Wait for all queued work (JAX dispatch is asynchronous)."""
-    STATE.table.drain()
-    idx = _index(device)
-    jdev = STATE.jax_device(idx)
-    pending = [b for b in STATE.table._buffers.values() if jdev in b.devices()]
-    if pending:
+    pending = STATE.last_results.get(_index(device))
+    if pending is not None:
         jax.block_until_ready(pending)
 
 

@@ -50,7 +50,8 @@ _op_infos: dict[Any, OpInfo_] = {}
 
 
 def op_info(op: torch._ops.OpOverload) -> OpInfo_:
-    info = _op_infos.get(op)
+    # Keyed by id: OpOverloads live for the whole process and their __hash__ is a Python method.
+    info = _op_infos.get(id(op))
     if info is None:
         schema = op._schema
         lowering = registry.find(op)
@@ -73,7 +74,7 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
         )
         info = OpInfo_(lowering, tuple(a.name for a in schema.arguments), frozenset(dynamic), tuple(mutated),
                        tuple(out_args), inplace)
-        _op_infos[op] = info
+        _op_infos[id(op)] = info
     return info
 
 
@@ -138,41 +139,64 @@ def _device_mismatch(a: torch.device, b: torch.device) -> RuntimeError:
     )
 
 
+_CODES: dict[int, tuple[torch.dtype, Any]] = {}  # c10 ScalarType code -> (torch dtype, jax dtype)
+_devices: dict[int, torch.device] = {}
+
+
+def _dtype_codes() -> dict[int, tuple[torch.dtype, Any]]:
+    if not _CODES:
+        from torchbridge.device import native
+
+        probes = [torch.empty(0, dtype=dt) for dt in dtypes.TORCH_TO_JAX]
+        for t, d in zip(probes, native.load().describe(probes), strict=True):
+            _CODES[d[2]] = (t.dtype, dtypes.TORCH_TO_JAX[t.dtype])
+    return _CODES
+
+
 def _classify(op: Any, call: _Call, device_type: str, allow_host: bool) -> tuple[list, list, list, torch.device | None]:
     """Per tensor: a _DeviceArg or a host descriptor. Returns (descs, storage keys, storage infos, device)."""
+    from torchbridge.device import native
+
+    codes = _CODES or _dtype_codes()
     descs: list[Any] = []
     slots: dict[int, int] = {}
     keys: list[int] = []
     storages: list[tuple[int, int]] = []  # (nbytes, device index)
-    device: torch.device | None = None
-    host_scalars: list[int] = []
-    for i, t in enumerate(call.tensors):
-        dev = t.device
-        if dev.type == device_type:
-            if device is None:
-                device = dev
-            elif dev != device:
-                raise _device_mismatch(device, dev)
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+    dev_index = -1
+    for i, d in enumerate(native.load().describe(call.tensors)):
+        if d[0]:
+            _, key, nbytes, shape, strides, offset, code, index = d
+            if dev_index < 0:
+                dev_index = index
+            elif index != dev_index:
+                raise _device_mismatch(torch.device(device_type, dev_index), torch.device(device_type, index))
             slot = slots.get(key)
             if slot is None:
                 slot = len(keys)
                 slots[key] = slot
                 keys.append(key)
-                storages.append((storage.nbytes(), dev.index or 0))
-            descs.append(_DeviceArg(slot, views.ViewSpec(tuple(t.shape), tuple(t.stride()), t.storage_offset()),
-                                    dtypes.to_jax(t.dtype)))
-        elif dev.type == "cpu" and (t.dim() == 0 or allow_host):
-            # CUDA accepts 0-dim CPU tensors as scalars; we pass them as (weakly typed) values.
-            if t.dim() == 0 and not allow_host:
-                descs.append(("scalar", t.dtype))
-                host_scalars.append(i)
-            else:
-                descs.append(("host", tuple(t.shape), dtypes.to_jax(t.dtype)))
+                storages.append((nbytes, index))
+            dt = codes.get(code)
+            if dt is None:
+                raise TypeError(f"torchbridge: {op}: dtype {call.tensors[i].dtype} is not supported on the device")
+            descs.append(_DeviceArg(slot, views.ViewSpec(shape, strides, offset), dt[1]))
         else:
-            other = device or torch.device(device_type, 0)
-            raise _device_mismatch(other, dev)
+            t = call.tensors[i]
+            dev = t.device
+            if dev.type == "cpu" and (d[1] == 0 or allow_host):
+                # CUDA accepts 0-dim CPU tensors as scalars; we pass them as (weakly typed) values.
+                if d[1] == 0 and not allow_host:
+                    descs.append(("scalar", t.dtype))
+                else:
+                    descs.append(("host", tuple(t.shape), dtypes.to_jax(t.dtype)))
+            else:
+                other = torch.device(device_type, max(dev_index, 0))
+                raise _device_mismatch(other, dev)
+    device = None
+    if dev_index >= 0:
+        device = _devices.get(dev_index)
+        if device is None:
+            device = _devices[dev_index] = torch.device(device_type, dev_index)
     return descs, keys, storages, device
 
 
@@ -249,8 +273,11 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     arg_values.update(dict(kw))
     written: list[tuple[list[int], str]] = []  # (tensor indices, source) source: "result" or "mutates:<name>"
     if info.out_args:
+        first = 0  # several out= args (max.dim_max, aminmax.out, sort.values) take consecutive result leaves
         for name in info.out_args:
-            written.append((_tensor_indices(arg_values[name]), "result"))
+            idx = _tensor_indices(arg_values[name])
+            written.append((idx, f"result:{first}"))
+            first += len(idx)
     elif info.inplace:
         written.append((_tensor_indices(arg_values[info.mutated[0]]), "result"))
     extra = [m for m in info.mutated if m not in info.out_args and not (info.inplace and m == info.mutated[0])]
@@ -300,7 +327,11 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
         res_leaves = _as_list(res)
         # Writes into existing storages (in-place, out=, running stats).
         for idx, source in written:
-            src = res_leaves if source == "result" else _as_list(mutations[source.split(":", 1)[1]])
+            kind, _, name = source.partition(":")
+            if kind == "result":
+                src = res_leaves[int(name or 0):]
+            else:
+                src = _as_list(mutations[name])
             for j, ti in enumerate(idx):
                 d = descs[ti]
                 cur = storage_as(d.slot, d.dtype)
@@ -357,7 +388,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         raise UnsupportedOp(str(op))
     call, pos, kw = _encode_call(info, args, kwargs)
     device_type = STATE.name
-    descs, keys, storages, device = _classify(op, call, device_type, allow_host=op in _HOST_OK)
+    descs, keys, storages, device = _classify(op, call, device_type, allow_host=id(op) in _HOST_OK)
     if device is None:
         device = _factory_device(kwargs, device_type)
     dev_index = device.index or 0
@@ -380,7 +411,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         buf = STATE.table.get_or_zeros(key, storages[slot][0], first_dtype[slot], jdev)
         bufs.append(buf)
         buffer_dtypes.append(buf.dtype)
-    cache_key = (op, pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
+    cache_key = (id(op), pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
                  tuple(type(s) for s in call.scalars), tuple(type(s) for s in host_scalars), dev_index)
     program = _programs.get(cache_key)
     if program is None:
@@ -399,6 +430,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     else:
         with jax.default_device(jdev):
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
+    STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     if info.out_args or info.inplace:

@@ -83,7 +83,7 @@ DIRECT: dict[Any, Callable[..., Any]] = {}
 def direct(*ops: Any):
     def deco(fn):
         for op in ops:
-            DIRECT[op] = fn
+            DIRECT[id(op)] = fn  # by id: OpOverload.__hash__ is slow and ops are process-lifetime singletons
         return fn
 
     return deco
@@ -143,8 +143,10 @@ def _record_stream(op, args, kwargs):
     return None
 
 
-dispatch._HOST_OK.update({aten.copy_.default, aten.index.Tensor, aten.index.Tensor_out, aten.index_put.default,
-                          aten.index_put_.default, aten._index_put_impl_.default})
+# Keyed by id, like DIRECT (see direct()).
+dispatch._HOST_OK.update(id(op) for op in (aten.copy_.default, aten.index.Tensor, aten.index.Tensor_out,
+                                           aten.index_put.default, aten.index_put_.default,
+                                           aten._index_put_impl_.default))
 
 
 @direct(aten.index.Tensor, aten.index.Tensor_out, aten.index_put.default, aten.index_put_.default,
@@ -254,7 +256,7 @@ def _unsupported(op: Any) -> NotImplementedError:
 
 def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     STATE.table.drain()
-    handler = DIRECT.get(op)
+    handler = DIRECT.get(id(op))
     if handler is not None:
         return handler(op, args, kwargs)
     info = dispatch.op_info(op)

@@ -16,6 +16,9 @@ class _State:
         self._seeds: dict[int, int] = {}
         self._counters: dict[int, int] = {}
         self.default_seed = 67280421310721  # torch's default CPU seed; any fixed value works
+        # The newest results per device: a device runs programs in dispatch order, so waiting on
+        # these waits for everything queued before them.
+        self.last_results: dict[int, object] = {}
 
     @cached_property
     def platform(self) -> str:

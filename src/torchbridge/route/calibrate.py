@@ -56,7 +56,7 @@ def _stream_gaps(url: str, model: str | None, n_tokens: int, seed: int) -> list[
     return [b - a for a, b in zip(stamps[1:-1], stamps[2:], strict=False)] or [0.0]
 
 
-def calibrate(url: str, model: str | None = None, prompt_words: tuple[int, int] = (32, 512),
+def calibrate(url: str, model: str | None = None, prompt_words: tuple[int, int] = (16, 128),
               decode_tokens: int = 24, batch: int = 4, max_batch: int = 32, repeats: int = 2,
               seed: int = 0) -> Calibration:
     url = url.rstrip("/")
@@ -74,9 +74,9 @@ def calibrate(url: str, model: str | None = None, prompt_words: tuple[int, int] 
     def step_at(b: int) -> float:
         best = float("inf")
         for r in range(repeats):
+            seeds = [seed * 1000 + r * 100 + i for i in range(b)]
             with ThreadPoolExecutor(b) as ex:
-                gaps = list(ex.map(lambda i: _stream_gaps(url, model, decode_tokens, seed * 1000 + r * 100 + i),
-                                   range(b)))
+                gaps = list(ex.map(lambda sd: _stream_gaps(url, model, decode_tokens, sd), seeds))
             mean = sum(sum(g) / len(g) for g in gaps) / b
             best = min(best, mean)
         return best

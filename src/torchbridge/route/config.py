@@ -6,6 +6,8 @@
     flow_control: {max_inflight, max_queue, queue_timeout_s}
     health:       {interval_s, timeout_s, scrape_interval_s, kv_events, kv_events_interval_s,
                    default_kv_blocks, default_prefill_tps}
+    discovery:    {dns, port, interval_s, scheme}  (replicas = the A records of `dns`, e.g. a
+                   Kubernetes headless Service; added and removed as the records change)
     replicas:     [{name, url}]
     profiles:     {NAME: {filters: [...], scorers: [{type, weight, ...}], picker: {type, ...}}}
 
@@ -96,6 +98,12 @@ _SECTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "default_kv_blocks": (int, 4096),
         "default_prefill_tps": ((int, float), 2000.0),
     },
+    "discovery": {
+        "dns": ((str, type(None)), None),
+        "port": (int, 8000),
+        "interval_s": ((int, float), 10.0),
+        "scheme": (str, "http"),
+    },
 }
 
 
@@ -119,6 +127,10 @@ class RouterConfig:
     kv_events_interval_s: float = 0.5
     default_kv_blocks: int = 4096
     default_prefill_tps: float = 2000.0
+    discovery_dns: str | None = None
+    discovery_port: int = 8000
+    discovery_interval_s: float = 10.0
+    discovery_scheme: str = "http"
     replicas: list[ReplicaSpec] = field(default_factory=list)
     profiles: dict[str, dict[str, Any]] = field(default_factory=lambda: copy.deepcopy(BUILTIN_PROFILES))
     source: str | None = None
@@ -181,17 +193,22 @@ def parse_config(data: Any, source: str | None = None) -> RouterConfig:
             if k not in keys:
                 raise ConfigError(f"{section}.{k}: unknown key; allowed: {sorted(keys)}")
             _check_type(f"{section}.{k}", v, keys[k][0])
-            setattr(cfg, k, float(v) if keys[k][0] == (int, float) else v)
+            attr = f"discovery_{k}" if section == "discovery" else k  # keys repeat across sections
+            setattr(cfg, attr, float(v) if keys[k][0] == (int, float) else v)
     for path, v, lo in (("router.block_size", cfg.block_size, 1), ("router.retries", cfg.retries, 0),
                         ("tokenizer.chars_per_token", cfg.chars_per_token, 1),
                         ("flow_control.max_inflight", cfg.max_inflight, 1),
                         ("flow_control.max_queue", cfg.max_queue, 0),
                         ("health.interval_s", cfg.interval_s, 1e-3),
                         ("health.scrape_interval_s", cfg.scrape_interval_s, 1e-3),
-                        ("health.default_prefill_tps", cfg.default_prefill_tps, 1e-3)):
+                        ("health.default_prefill_tps", cfg.default_prefill_tps, 1e-3),
+                        ("discovery.interval_s", cfg.discovery_interval_s, 1e-3),
+                        ("discovery.port", cfg.discovery_port, 1)):
         if v < lo:
             raise ConfigError(f"{path}: must be >= {lo}, got {v}")
 
+    if cfg.discovery_scheme not in ("http", "https"):
+        raise ConfigError(f"discovery.scheme: must be http or https, got {cfg.discovery_scheme!r}")
     reps = data.get("replicas") or []
     if not isinstance(reps, list):
         raise ConfigError(f"replicas: expected a list, got {reps!r}")

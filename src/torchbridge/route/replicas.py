@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,8 @@ class ReplicaPool:
         ]
         if self.cfg.kv_events:
             self._tasks.append(asyncio.create_task(self._loop(self.cfg.kv_events_interval_s, self.poll_events)))
+        if self.cfg.discovery_dns:
+            self._tasks.append(asyncio.create_task(self._discovery_loop()))
 
     async def stop(self) -> None:
         for t in [*self._tasks, *self._probe_tasks]:
@@ -144,6 +147,29 @@ class ReplicaPool:
             reps = list(self.replicas.values())
             await asyncio.gather(*(fn(r) for r in reps), return_exceptions=True)
             await asyncio.sleep(interval)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                await self.discover()
+            await asyncio.sleep(self.cfg.discovery_interval_s)
+
+    async def discover(self) -> tuple[list[str], list[str]]:
+        """Sync the replicas this pool discovered with the A records of `discovery.dns`.
+        Replicas configured by hand or through the admin API are never touched."""
+        cfg = self.cfg
+        assert cfg.discovery_dns
+        infos = await asyncio.get_running_loop().getaddrinfo(cfg.discovery_dns, cfg.discovery_port,
+                                                              family=socket.AF_INET, type=socket.SOCK_STREAM)
+        want = {f"dns:{info[4][0]}:{cfg.discovery_port}": f"{cfg.discovery_scheme}://{info[4][0]}:{cfg.discovery_port}"
+                for info in infos}
+        added = [n for n in want if n not in self.replicas]
+        removed = [n for n in self.replicas if n.startswith("dns:") and n not in want]
+        for n in added:
+            self.add(n, want[n])
+        for n in removed:
+            self.remove(n)
+        return added, removed
 
     async def _probe(self, rep: Replica) -> None:
         await self.check_health(rep)

@@ -70,11 +70,14 @@ class PickContext:
         cached = self.hit_blocks(mode) * self.req.block_size
         return np.maximum(self.req.n_tokens - cached, 0.0)
 
-    def est_prefill_wait(self, mode: str = "auto") -> np.ndarray:
+    def est_prefill_wait(self, mode: str = "auto", queue_wait_s: float = 0.0) -> np.ndarray:
         """Seconds until this request's first token on each slot: the router's queued uncached
-        prompt tokens there plus this request's own uncached tokens, at the slot's prefill rate."""
+        prompt tokens there plus this request's own uncached tokens, at the slot's prefill rate,
+        plus `queue_wait_s` per request the engine reports waiting (those wait for batch slots or
+        KV memory, not for prefill compute, so token counts alone miss them)."""
         pool = self.pool
-        return (pool.pending_tokens + self.uncached_tokens(mode)) / np.maximum(pool.prefill_tps, 1e-9)
+        prefill = (pool.pending_tokens + self.uncached_tokens(mode)) / np.maximum(pool.prefill_tps, 1e-9)
+        return prefill + queue_wait_s * pool.queue if queue_wait_s else prefill
 
 
 class ConfigError(ValueError):
@@ -316,16 +319,20 @@ class StickyUntilSaturatedPicker(Picker):
     If some replica holds at least `hit_threshold` of the prompt, go there unless its estimated
     prefill wait exceeds the best alternative's by more than `max_extra_wait_s`; then go to the
     alternative with the smallest wait. Without such a hit, fall back to the weighted scores.
+    `queue_wait_s` converts each engine-reported waiting request into seconds of wait.
     """
 
     name = "sticky-until-saturated"
 
     def __init__(self, path: str, hit_threshold: float = 0.8, max_extra_wait_s: float = 0.5,
-                 index: str = "auto") -> None:
+                 queue_wait_s: float = 0.25, index: str = "auto") -> None:
         if not 0 < hit_threshold <= 1:
             raise ConfigError(f"{path}.hit_threshold: must be in (0, 1], got {hit_threshold}")
         if max_extra_wait_s < 0:
             raise ConfigError(f"{path}.max_extra_wait_s: must be >= 0, got {max_extra_wait_s}")
+        if queue_wait_s < 0:
+            raise ConfigError(f"{path}.queue_wait_s: must be >= 0, got {queue_wait_s}")
+        self.queue_wait_s = float(queue_wait_s)
         if index not in ("auto", "approx", "precise"):
             raise ConfigError(f"{path}.index: must be auto, approx or precise, got {index!r}")
         self.hit_threshold = float(hit_threshold)
@@ -337,7 +344,7 @@ class StickyUntilSaturatedPicker(Picker):
         sticky = mask & (frac >= self.hit_threshold)
         if not sticky.any():
             return _argmax_random_tie(scores, mask, ctx.rng)
-        wait = ctx.est_prefill_wait(self.index)
+        wait = ctx.est_prefill_wait(self.index, self.queue_wait_s)
         # Among sufficient hits prefer the longest, then the shortest wait.
         home = _argmax_random_tie(frac - 1e-6 * wait / (1.0 + wait.max()), sticky, ctx.rng)
         others = mask.copy()

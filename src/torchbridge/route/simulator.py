@@ -344,8 +344,12 @@ def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_
 
     for _ in range(concurrency):
         s = new_session()
-        # Stagger starts and ages so the pool is not in lock-step at t=0.
-        s.turns_left = rng.randint(1, wl.turns[1])
+        # Start sessions part-way through (history already in the context, caches cold) and at
+        # staggered times, so the pool is in steady state after a short warm-up, not in lock-step.
+        done = rng.randrange(s.turns_left)
+        for _ in range(done):
+            s.tokens.extend(src.take(wl.output_tokens + wl.tool_tokens))
+        s.turns_left -= done
         start = rng.uniform(0, min(warmup_s, 2.0 * wl.tool_latency_median_s) or 0.01)
         sim.at(start, lambda s=s: send(s))
     sim.run(until=duration_s + 600.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from torchbridge.device.lowerings.registry import ctx, lower
@@ -112,25 +113,25 @@ def _var_args(args, kwargs):
     return dim, correction, keepdim
 
 
-@lower("var")
+@lower("var", static=("correction",))
 def var(a, *args, **kwargs):
     dim, correction, keepdim = _var_args(args, kwargs)
     return _moments(a, dim, correction, keepdim)[0]
 
 
-@lower("std")
+@lower("std", static=("correction",))
 def std(a, *args, **kwargs):
     dim, correction, keepdim = _var_args(args, kwargs)
     return jnp.sqrt(_moments(a, dim, correction, keepdim)[0])
 
 
-@lower("var_mean")
+@lower("var_mean", static=("correction",))
 def var_mean(a, *args, **kwargs):
     dim, correction, keepdim = _var_args(args, kwargs)
     return _moments(a, dim, correction, keepdim)
 
 
-@lower("std_mean")
+@lower("std_mean", static=("correction",))
 def std_mean(a, *args, **kwargs):
     dim, correction, keepdim = _var_args(args, kwargs)
     v, m = _moments(a, dim, correction, keepdim)
@@ -267,7 +268,7 @@ def cumprod(a, dim, *, dtype=None):
     return x if a.ndim == 0 else jnp.cumprod(x, axis=dim % a.ndim)
 
 
-@lower("logcumsumexp")
+@lower("logcumsumexp", "_logcumsumexp")
 def logcumsumexp(a, dim):
     x = a.astype(out_dtype())
     return x if a.ndim == 0 else lax.cumlogsumexp(x, axis=dim % a.ndim)
@@ -300,6 +301,27 @@ def cummax(a, dim):
 @lower("cummin")
 def cummin(a, dim):
     return _cum_ext(a, dim, False)
+
+
+# cummax/cummin resize their outputs, then call these helpers to fill them. The helpers have no
+# Meta kernel, which the dispatcher needs for output metadata: they return nothing and only write
+# into already-sized outputs, so the Meta kernel is a no-op.
+_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds Meta kernels to aten ops
+for _helper in ("_cummax_helper", "_cummin_helper"):
+    _meta_lib.impl(_helper, lambda *args, **kwargs: None, "Meta")
+_meta_lib.impl("_logcumsumexp", lambda a, dim: torch.empty_like(a), "Meta")
+
+
+@lower("_cummax_helper", mutates=("values", "indices"))
+def cummax_helper(a, values, indices, dim):
+    v, i = _cum_ext(a, dim, True)
+    return None, {"values": v, "indices": i}
+
+
+@lower("_cummin_helper", mutates=("values", "indices"))
+def cummin_helper(a, values, indices, dim):
+    v, i = _cum_ext(a, dim, False)
+    return None, {"values": v, "indices": i}
 
 
 # ---- softmax backward -----------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""`python -m torchbridge serve`: argument handling, the default-model path, and a real start-up."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from torchbridge.serve import default_model_dir
+from torchbridge.serve.cli import build_parser, main
+
+
+def test_default_model_dir_is_the_bundled_asset() -> None:
+    import torchbridge
+
+    assert default_model_dir() == Path(torchbridge.__file__).parent / "assets" / "default-model"
+
+
+def test_missing_model_fails_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    assert "no Hugging Face checkpoint" in capsys.readouterr().err
+
+
+def test_flags_parse() -> None:
+    ns = build_parser().parse_args(["--no-enable-prefix-caching", "--speculative-ngram", "3", "--shape-buckets",
+                                    "--api-key", "k", "--num-blocks", "9", "--device", "cpu"])
+    assert not ns.enable_prefix_caching and ns.speculative_ngram == 3 and ns.shape_buckets and ns.api_key == "k"
+    assert ns.num_blocks == 9
+
+
+def test_serve_subcommand_starts_a_server(llama_dir: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torchbridge", "serve", "--model", str(llama_dir), "--port", str(port),
+           "--served-model-name", "cli-model", "--max-model-len", "64", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        assert r.json()["data"][0]["id"] == "cli-model"
+        body = {"model": "cli-model", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert out["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
