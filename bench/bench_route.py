@@ -56,12 +56,12 @@ def sim_model(sim_block: int, cal: dict[str, float]) -> ReplicaModel:
 
 
 def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: int, duration: float,
-            warmup: float, sim_block: int, cal: dict[str, float]) -> dict[str, Any]:
+            warmup: float, sim_block: int, cal: dict[str, float], wl: AgenticWorkload | None = None) -> dict[str, Any]:
     picker = EndpointPicker(parse_config({"router": {"block_size": sim_block}}), seed=seed, capacity=n_replicas)
     sim = Simulator(picker, {f"r{i}": sim_model(sim_block, cal) for i in range(n_replicas)}, arm)
     t0 = time.perf_counter()
     if workload == "agentic":
-        res = run_agentic(sim, AgenticWorkload(), concurrency, duration, warmup, seed)
+        res = run_agentic(sim, wl or AgenticWorkload(), concurrency, duration, warmup, seed)
     else:
         res = run_shared_prefix(sim, SharedPrefixWorkload(groups=max(8, n_replicas // 4)), concurrency, duration,
                                 warmup, seed)
@@ -82,7 +82,9 @@ def run_sim(args: argparse.Namespace, cal: dict[str, float]) -> list[dict[str, A
             for arm in ARMS:
                 seeds = range(args.seeds) if c == int(args.sat_per_replica * n) or workload != "agentic" else [0]
                 for seed in seeds:
-                    r = sim_run(workload, arm, n, c, seed, args.sim_duration, args.sim_warmup, args.sim_block, cal)
+                    wl = AgenticWorkload(system_tokens=args.system_tokens, tool_tokens=args.tool_tokens,
+                                         output_tokens=args.output_tokens)
+                    r = sim_run(workload, arm, n, c, seed, args.sim_duration, args.sim_warmup, args.sim_block, cal, wl)
                     rows.append(r)
                     print(f"sim {workload:8s} n={n} c={c:5d} {arm:13s} seed={seed} ttft_mean={r['ttft_mean']:.3f}s "
                           f"p90={r['ttft_p90']:.3f}s tok/s={r['total_tps']:.0f} hit={r['prefix_hit_ratio']:.2f} "
@@ -129,13 +131,13 @@ async def _agentic_client(client: Any, url: str, arm: str, sid: str, rng: random
             continue
         t1 = time.monotonic()
         if first is not None and t0 >= warmup_end:
-            out.append({"ttft": first - t0, "end": t1, "prompt_chars": len(context), "out_tokens": n_out})
+            out.append({"ttft": first - t0, "end": t1, "prompt": context, "out_tokens": n_out})
         context += "".join(text)
         await asyncio.sleep(min(5.0, rng.lognormvariate(math.log(0.3), 0.6)))  # tool latency
 
 
 async def _real_arm(url: str, arm: str, concurrency: int, seed: int, duration: float, warmup: float,
-                    output_tokens: int) -> dict[str, Any]:
+                    output_tokens: int, count_tokens: Any) -> dict[str, Any]:
     import httpx
 
     rng = random.Random(seed)
@@ -145,11 +147,11 @@ async def _real_arm(url: str, arm: str, concurrency: int, seed: int, duration: f
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=120) as client:
         await asyncio.gather(*(_agentic_client(client, url, arm, f"{arm}-{seed}-{i}", random.Random(seed * 997 + i),
-                                               start + duration, start + warmup, out, system, 2400, output_tokens)
+                                               start + duration, start + warmup, out, system, 1800, output_tokens)
                                for i in range(concurrency)))
     win = duration - warmup
     ttft = sorted(o["ttft"] for o in out) or [math.nan]
-    prompt_tokens = sum(o["prompt_chars"] for o in out) / 2.3  # ~2.3 chars/token for this tokenizer on code
+    prompt_tokens = sum(count_tokens(o["prompt"]) for o in out)
     out_tokens = sum(o["out_tokens"] for o in out)
     return {"arm": arm, "concurrency": concurrency, "seed": seed, "requests": len(out),
             "ttft_mean": statistics.fmean(ttft), "ttft_p50": ttft[len(ttft) // 2],
@@ -161,6 +163,17 @@ def run_real(args: argparse.Namespace) -> list[dict[str, Any]]:
     import httpx
 
     from torchbridge.route.cli import _stop, _wait_healthy, free_port
+
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+
+        def count_tokens(text: str) -> int:
+            return len(tok.encode(text))
+    else:
+        def count_tokens(text: str) -> int:
+            return round(len(text) / 2.3)  # the bundled model's BPE averages ~2.3 chars/token on code
 
     procs: list[subprocess.Popen[bytes]] = []
     rows = []
@@ -187,7 +200,7 @@ def run_real(args: argparse.Namespace) -> list[dict[str, Any]]:
             for arm in ARMS:
                 for seed in range(args.real_seeds):
                     r = asyncio.run(_real_arm(rurl, arm, c, seed, args.real_duration, args.real_warmup,
-                                              args.real_output_tokens))
+                                              args.real_output_tokens, count_tokens))
                     r["replicas"] = args.real
                     rows.append(r)
                     print(f"real n={args.real} c={c:3d} {arm:13s} seed={seed} ttft_mean={r['ttft_mean']:.3f}s "
@@ -270,15 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--sim-replicas", type=int, default=1000)
-    ap.add_argument("--sim-per-replica", type=float, nargs="+", default=[4, 8, 12, 16],
+    ap.add_argument("--sim-per-replica", type=float, nargs="+", default=[3, 6, 9],
                     help="agentic concurrency sweep, in sessions per replica")
-    ap.add_argument("--sat-per-replica", type=float, default=12,
+    ap.add_argument("--sat-per-replica", type=float, default=9,
                     help="the sweep point run with all seeds (round-robin's saturation point)")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sim-duration", type=float, default=12.0)
-    ap.add_argument("--sim-warmup", type=float, default=4.0)
+    ap.add_argument("--sim-duration", type=float, default=10.0)
+    ap.add_argument("--sim-warmup", type=float, default=3.0)
     ap.add_argument("--sim-block", type=int, default=64,
                     help="block size in the simulator (coarser than the engine's 16 to keep 1,000 replicas fast)")
+    ap.add_argument("--system-tokens", type=int, default=AgenticWorkload.system_tokens)
+    ap.add_argument("--tool-tokens", type=int, default=AgenticWorkload.tool_tokens)
+    ap.add_argument("--output-tokens", type=int, default=AgenticWorkload.output_tokens)
     ap.add_argument("--workloads", nargs="+", default=["agentic", "shared-prefix"])
     ap.add_argument("--calibrate", metavar="URL", help="measure a running replica instead of using CALIBRATED")
     ap.add_argument("--real", type=int, default=0, metavar="N", help="also bench N real engine replicas")

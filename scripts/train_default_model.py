@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 SEED = 1234
+SUMMARY_FILE = "training_summary.json"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "src" / "torchbridge" / "assets" / "default-model"
 
@@ -263,6 +264,16 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int, temperature: floa
 
 def write_model_card(out: Path, facts: dict) -> None:
     f = facts
+    stages = f["stages"]
+    total_steps = sum(st["steps"] for st in stages)
+    total_tokens = sum(st["tokens_seen"] for st in stages)
+    total_minutes = sum(st["minutes"] for st in stages)
+    stage_lines = "\n".join(
+        f"{i}. {st['steps']} steps, batch {st['batch_size']} x {st['seq_len']} tokens, peak LR {st['peak_lr']:g}, "
+        f"{st['minutes']:.1f} min"
+        for i, st in enumerate(stages, 1)
+    )
+    commands = " && \\\n  ".join(st["command"] for st in stages)
     card = f"""# torchbridge default model
 
 A deliberately tiny Llama-architecture causal language model, bundled so that
@@ -291,9 +302,11 @@ stdlib functions (request = first docstring line, answer = the function's source
 
 ## Training
 
-AdamW (betas 0.9/0.95, weight decay 0.1), peak LR {f['lr']:g}, warmup then cosine decay,
-fp32 on CPU ({f['threads']} threads), batch {f['batch']} x {f['seq_len']} tokens.
-{f['steps']} steps ({f['tokens_seen']:,} tokens) in {f['train_minutes']:.1f} minutes of wall-clock time, seed {SEED}.
+AdamW (betas 0.9/0.95, weight decay 0.1), linear warmup then cosine decay over a wall-clock
+budget, fp32 on CPU ({f['threads']} threads, shared with other jobs), seed {SEED}.
+In total {total_steps} steps ({total_tokens:,} tokens) in {total_minutes:.1f} minutes of training:
+
+{stage_lines}
 
 ## Evaluation (held-out stdlib files, {f['eval_tokens']:,} tokens)
 
@@ -305,7 +318,7 @@ fp32 on CPU ({f['threads']} threads), batch {f['batch']} x {f['seq_len']} tokens
 ## Reproduce
 
 ```
-{f['command']}
+{commands}
 ```
 
 Training is bounded by wall-clock time, so the exact step count (and weights) depend on
@@ -335,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=96)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from a directory written by an earlier run (reuses its tokenizer and weights)",
+    )
     args = parser.parse_args(argv)
 
     from transformers import GenerationConfig, LlamaForCausalLM
@@ -358,7 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     train_texts = [t for _, t in train_docs]
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    prior_stages: list[dict] = []
+    if args.init_from is not None:
+        from transformers import AutoTokenizer
+
+        # Continuing a run must keep the exact vocabulary the weights were trained with.
+        tokenizer = AutoTokenizer.from_pretrained(args.init_from, local_files_only=True)
+        summary = args.init_from / SUMMARY_FILE
+        if summary.exists():
+            prior_stages = json.loads(summary.read_text())["stages"]
+    else:
+        tokenizer = train_tokenizer(train_texts, args.vocab_size)
     print(f"tokenizer: vocab {len(tokenizer)} ({time.time() - t_start:.0f}s)", flush=True)
 
     chats: list[str] = []
@@ -380,9 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    config = make_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).float()
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
+        config = model.config
+    else:
+        config = make_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = LlamaForCausalLM(config).float()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
 
@@ -472,7 +505,26 @@ def main(argv: list[str] | None = None) -> int:
         tok_cfg["chat_template"] = CHAT_TEMPLATE
         cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
 
-    command = "python scripts/train_default_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = ("python scripts/train_default_model.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    stages = [
+        *prior_stages,
+        {
+            "command": command,
+            "steps": step,
+            "minutes": round(train_s / 60, 2),
+            "tokens_seen": step * args.batch_size * args.seq_len,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "peak_lr": args.lr,
+        },
+    ]
+    summary = {
+        "stages": stages,
+        "heldout_loss": round(trained_loss, 4),
+        "random_init_heldout_loss": round(random_loss, 4),
+        "eval_tokens": eval_tokens,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     write_model_card(
         out,
         {
@@ -492,17 +544,11 @@ def main(argv: list[str] | None = None) -> int:
             "train_mb": train_bytes / 1e6,
             "train_tokens": int(train_stream.numel()),
             "chat_examples": len(chats),
-            "lr": args.lr,
             "threads": args.threads,
-            "batch": args.batch_size,
-            "seq_len": args.seq_len,
-            "steps": step,
-            "tokens_seen": step * args.batch_size * args.seq_len,
-            "train_minutes": train_s / 60,
             "eval_tokens": eval_tokens,
             "trained_loss": trained_loss,
             "random_loss": random_loss,
-            "command": command.strip(),
+            "stages": stages,
         },
     )
     for p in out.iterdir():

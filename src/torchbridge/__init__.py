@@ -29,4 +29,13 @@ def set_cpu_fallback(enabled: bool) -> None:
     ops.set_cpu_fallback(enabled)
 
 
-__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback"]
+def set_eager_mode(mode: str) -> None:
+    """'eager': one cached executable per op (default). 'fused': ops are recorded and each recorded
+    sequence runs as one cached executable, flushed when a value is read (.item(), .cpu(), print),
+    on synchronize(), and at a size bound (TORCHBRIDGE_FUSED_MAX_OPS). Also TORCHBRIDGE_EAGER_MODE."""
+    from torchbridge.device import fused
+
+    fused.set_mode(mode)
+
+
+__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback", "set_eager_mode"]

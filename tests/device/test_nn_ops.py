@@ -23,7 +23,7 @@ def fwd_bwd(fn, *inputs):
         out = fn(*xs)
         outs = out if isinstance(out, tuple) else (out,)
         seeds = [torch.linspace(-1, 1, o.numel()).view(o.shape).to(dev) for o in outs]
-        diff = [(o, s) for o, s in zip(outs, seeds) if o.requires_grad]
+        diff = [(o, s) for o, s in zip(outs, seeds, strict=True) if o.requires_grad]
         torch.autograd.backward([o for o, _ in diff], [s for _, s in diff])
         results.append(([o.detach().cpu() for o in outs], [x.grad.cpu() if x.grad is not None else None for x in xs]))
     (cpu_out, cpu_grad), (dev_out, dev_grad) = results
@@ -36,6 +36,7 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's own note on the CPU side
 def test_conv2d_forward_backward():
     x = torch.randn(2, 4, 7, 6)
     w = torch.randn(6, 2, 3, 3)

@@ -166,3 +166,18 @@ def test_invalid_requests_are_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
     assert not llm.engine.has_unfinished()
+
+
+def test_shape_buckets_keep_decode_steps_on_warmed_shapes(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), block_size=4, num_blocks=64, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, shape_buckets=True)
+    runner = llm.engine.runner
+    assert runner.warmup(4, 32, progress=False) == len(runner.shapes_warmed) > 0
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_model_greedy_no_eos(llama_dir, p, 20) for p in prompts]
+    # A decode-only step has one attention group of query length 1.
+    decode_shapes = {k for k in runner.shapes_seen if len(k) == 6 and k[3] == 1}
+    assert decode_shapes and decode_shapes <= runner.shapes_warmed
+    for key in runner.shapes_seen:
+        assert all(x & (x - 1) == 0 for x in key), key  # every dimension is a power-of-two bucket

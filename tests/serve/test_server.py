@@ -51,6 +51,15 @@ def test_completion_matches_hf(client: openai.OpenAI, llama_dir: Path) -> None:
     assert r.choices[0].finish_reason == ("stop" if expected[-1] == 1 else "length")
 
 
+def test_completion_with_several_prompts(client: openai.OpenAI, llama_dir: Path) -> None:
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [9]]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [hf_text(llama_dir, hf_greedy(llama_dir, p, 6)) for p in prompts]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[[5, 6], list(range(3, 300))], max_tokens=2)
+
+
 def test_completion_streaming_with_usage(client: openai.OpenAI, llama_dir: Path) -> None:
     full = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0,

@@ -32,10 +32,24 @@ def register(name: str = "tpu") -> None:
     mod.install(_device_count())
     _library = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback needs the wildcard library
     _library.fallback(ops.fallback, dispatch_key="PrivateUse1")
+    _aten_library.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "PrivateUse1")
     ops.register_kernels()
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
     # pyproject.toml, so importing torchbridge does not import Dynamo.
+
+
+# Module.to() keeps its Parameter objects (so tied weights stay tied and optimizers keep their
+# references) only when `param.data = moved` is allowed, i.e. when PyTorch may shallow-copy a device
+# tensor into a CPU one. Built-in backends get that from TensorImpl; PrivateUse1 has to opt in.
+_aten_library = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+
+
+def _shallow_copy_compatible(self: torch.Tensor, other: torch.Tensor) -> bool:
+    def dense(t: torch.Tensor) -> bool:
+        return t.layout == torch.strided and t.device.type in ("cpu", STATE.name)
+
+    return dense(self) and dense(other)
 
 
 def _enable_persistent_cache() -> None:

@@ -67,6 +67,10 @@ def get_platform() -> str:
 
 def synchronize(device: int | str | torch.device | None = None) -> None:
     """Wait for all queued work (JAX dispatch is asynchronous)."""
+    from torchbridge.device import fused
+
+    STATE.table.flush()
+    jax.block_until_ready(fused.RECORDER.last_outputs)
     pending = STATE.last_results.get(_index(device))
     if pending is not None:
         jax.block_until_ready(pending)

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchbridge.device import dtypes, views
+from torchbridge.device import dtypes, fused, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
 _T, _S, _L, _C = 0, 1, 2, 3  # argument encodings: tensor, dynamic scalar, list, constant
 _NUMBER = torch._C.NumberType.get()
+_TENSOR = torch._C.TensorType.get()
 
 
 class UnsupportedOp(RuntimeError):
@@ -61,7 +62,9 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
         for a in schema.arguments:
             t = a.type
             inner = t.getElementType() if isinstance(t, torch._C.OptionalType) else t
-            if inner == _NUMBER and a.name not in static:
+            # Numbers given for a Tensor argument (wrapped numbers, e.g. from _foreach slow paths) are
+            # traced too: a new value must not recompile.
+            if (inner == _NUMBER or inner == _TENSOR) and a.name not in static:
                 dynamic.add(a.name)
             if a.alias_info is not None and a.alias_info.is_write:
                 mutated.append(a.name)
@@ -210,6 +213,14 @@ class _Program:
     out_struct: Any  # how to rebuild the return value
     random: bool
     resize: dict[str, Any] | None = None  # out= args that must be resized first (then the call is redone)
+    raw: Any = None  # the traceable function behind `fn`, composed by fused eager mode
+    _avals: Any = None
+
+    def out_avals(self, *args: Any) -> Any:
+        """Output shapes/dtypes (for fused mode's placeholders); traced once per program."""
+        if self._avals is None:
+            self._avals = jax.eval_shape(self.raw, *args)
+        return self._avals
 
 
 _programs: dict[Any, _Program] = {}
@@ -349,7 +360,7 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
         return tuple(bufs[s] for s in write_slots), tuple(new)
 
     compile_counter[str(op)] += 1
-    return _Program(jax.jit(program), tuple(write_slots), new_outputs, out_struct, lowering.random)
+    return _Program(jax.jit(program), tuple(write_slots), new_outputs, out_struct, lowering.random, raw=program)
 
 
 def _shapes(v: Any) -> Any:
@@ -401,6 +412,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
                 host_scalars.append(call.tensors[i].item())
             else:
                 hosts.append(jax.device_put(dtypes.host_to_numpy(call.tensors[i]), jdev))
+    lazy = fused.active()
+    get_buffer = STATE.table.get_or_zeros_lazy if lazy else STATE.table.get_or_zeros
     bufs = []
     buffer_dtypes = []
     first_dtype: dict[int, Any] = {}
@@ -408,7 +421,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if isinstance(d, _DeviceArg) and d.slot not in first_dtype:
             first_dtype[d.slot] = d.dtype
     for slot, key in enumerate(keys):
-        buf = STATE.table.get_or_zeros(key, storages[slot][0], first_dtype[slot], jdev)
+        buf = get_buffer(key, storages[slot][0], first_dtype[slot], jdev)
         bufs.append(buf)
         buffer_dtypes.append(buf.dtype)
     cache_key = (id(op), pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
@@ -425,24 +438,32 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATE.table.drain()
         return run(op, args, kwargs)
     rng = STATE.next_rng(dev_index) if program.random else None
-    if bufs or hosts:  # committed inputs already pin the program to their device
+    if lazy:
+        updated, new = fused.RECORDER.record(program, tuple(bufs), tuple(call.scalars), tuple(hosts),
+                                             tuple(host_scalars), rng)
+    elif bufs or hosts:  # committed inputs already pin the program to their device
         updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     else:
         with jax.default_device(jdev):
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
-    STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
+    if not lazy:
+        STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     if info.out_args or info.inplace:
         names = info.out_args or (info.mutated[0],)
         vals = [args[info.arg_names.index(n)] if n not in kwargs else kwargs[n] for n in names]
-        return vals[0] if len(vals) == 1 else tuple(vals)
-    outs = []
-    for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):
-        t = torch.empty_strided(shape, strides, dtype=dt, device=device)
-        STATE.table.set(t.untyped_storage().data_ptr(), buf)
-        outs.append(t)
-    return _rebuild(program.out_struct, outs)
+        result = vals[0] if len(vals) == 1 else tuple(vals)
+    else:
+        outs = []
+        for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):
+            t = torch.empty_strided(shape, strides, dtype=dt, device=device)
+            STATE.table.set(t.untyped_storage().data_ptr(), buf)
+            outs.append(t)
+        result = _rebuild(program.out_struct, outs)
+    if lazy and len(fused.RECORDER.records) >= fused.MAX_OPS:
+        STATE.table.flush()  # after the table holds this op's placeholders, so they resolve too
+    return result
 
 
 def _factory_device(kwargs: dict, device_type: str) -> torch.device:

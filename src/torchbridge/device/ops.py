@@ -296,8 +296,12 @@ _override_lib: torch.library.Library | None = None
 
 
 def metrics() -> dict[str, Any]:
+    from torchbridge.device import fused
+
     info = dispatch.cache_info()
     return {
+        "eager_mode": fused.mode(),
+        "fused": fused.stats(),
         "compiled_programs": info["programs"],
         "compiles": info["compiles"],
         "compiles_by_op": dict(dispatch.compile_counter),

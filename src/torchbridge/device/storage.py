@@ -8,11 +8,13 @@ on CPU. A storage without an entry has never been written and reads as zeros.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torchbridge.device import native
+from torchbridge.device import fused, native
 from torchbridge.device.views import bitcast_flat
 
 _FREE, _RESIZE = 0, 1
@@ -35,14 +37,30 @@ class BufferTable:
             if kind == _FREE:
                 self._buffers.pop(a, None)
             elif kind == _RESIZE:
-                old = self._buffers.get(a)
+                old = self.get(a)
                 if old is not None:
                     self._buffers[b] = _resize_bytes(old, nbytes)
 
+    def flush(self) -> None:
+        """Run what fused eager mode has recorded and put the concrete buffers in the table."""
+        if fused.RECORDER.records:
+            fused.RECORDER.flush(self._buffers)
+
     def get(self, key: int) -> jax.Array | None:
-        return self._buffers.get(key)
+        buf = self._buffers.get(key)
+        if isinstance(buf, fused.Pending):
+            self.flush()
+            buf = self._buffers.get(key)
+        return buf
 
     def get_or_zeros(self, key: int, nbytes: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
+        buf = self.get(key)
+        if buf is None:
+            return self.get_or_zeros_lazy(key, nbytes, dtype, device)
+        return buf
+
+    def get_or_zeros_lazy(self, key: int, nbytes: int, dtype: jnp.dtype, device: jax.Device) -> Any:
+        """Like get_or_zeros, but may return a fused-mode Pending (only dispatch.run records those)."""
         buf = self._buffers.get(key)
         if buf is None:
             itemsize = jnp.dtype(dtype).itemsize

@@ -134,7 +134,9 @@ def up(argv: list[str] | None = None) -> int:
             if val:
                 rcmd += [flag, val]
         rlog = open(log_dir / "router.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT))
+        # The router never uses the device backend; skipping it saves importing torch and jax.
+        renv = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1"}
+        procs.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT, env=renv))
         rurl = f"http://{args.host}:{args.router_port}"
         ok = _wait_healthy(rurl, procs[-1], 60.0)
         rows.append(("router", rurl, procs[-1].pid, "healthy" if ok else f"FAILED (see {log_dir}/router.log)"))

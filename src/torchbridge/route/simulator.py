@@ -246,9 +246,9 @@ class AgenticWorkload:
     """Coding-agent sessions: shared system prompt, a context that grows by a user/tool message
     and the model's reply every turn, lognormal tool latency between turns."""
 
-    system_tokens: int = 2000
+    system_tokens: int = 4000        # instructions + tool schemas, identical for every session
     first_user_tokens: int = 400
-    tool_tokens: int = 300           # tool output appended before each later turn
+    tool_tokens: int = 500           # tool output (file contents, test logs) before each later turn
     output_tokens: int = 100
     turns: tuple[int, int] = (6, 14)
     tool_latency_median_s: float = 1.0

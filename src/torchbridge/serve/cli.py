@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: room for every sequence)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="cap of the default --num-blocks")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -54,6 +55,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper())
     config = EngineConfig(
         model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,

@@ -126,8 +126,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     block_size: int = 16
-    # None: size the pool from max_num_seqs * max_model_len (cpu) so every admitted sequence fits.
+    # None: room for max_num_seqs full-length sequences, but at most kv_cache_memory_gib of cache.
     num_blocks: int | None = None
+    kv_cache_memory_gib: float = 2.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
@@ -153,7 +154,10 @@ class EngineConfig:
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
         if self.num_blocks is None:
             per_seq = math.ceil(self.max_model_len / self.block_size)
-            self.num_blocks = max(per_seq, min(self.max_num_seqs * per_seq, 8192))
+            mc = self.model_config
+            block_bytes = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.torch_dtype.itemsize
+            budget = int(self.kv_cache_memory_gib * 2**30 // block_bytes)
+            self.num_blocks = max(per_seq, min(self.max_num_seqs * per_seq, budget))
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
         if self.shape_buckets is None:

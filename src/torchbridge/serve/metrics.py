@@ -6,7 +6,9 @@ are observed by the engine thread as tokens come out.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from torchbridge.serve.engine import LLMEngine, Request
@@ -70,6 +72,11 @@ class Metrics:
         self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.").labels(model_name)
         self._itl = hist("vllm:inter_token_latency_seconds", "Time between two token emissions.").labels(model_name)
         self._e2e = hist("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.").labels(model_name)
+        self._tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first.").labels(
+            model_name
+        )
+        self._success = Counter("vllm:request_success", "Finished requests.", ["model_name", "finished_reason"],
+                                registry=self.registry)
         engine.metrics = self
 
     def observe_ttft(self, seconds: float) -> None:
@@ -79,9 +86,12 @@ class Metrics:
         self._itl.observe(seconds)
 
     def observe_finished(self, request: Request) -> None:
-        import time
-
-        self._e2e.observe(time.monotonic() - request.arrival_time)
+        now = time.monotonic()
+        self._e2e.observe(now - request.arrival_time)
+        for s in request.seqs:
+            if s.first_token_time is not None and s.num_output_tokens > 1:
+                self._tpot.observe((now - s.first_token_time) / (s.num_output_tokens - 1))
+            self._success.labels(self.model_name, s.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

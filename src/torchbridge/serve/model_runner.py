@@ -52,7 +52,10 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
+        # Shape keys of steps run, and of steps traced by warmup(): with buckets, steady state stays
+        # within a small set (the tests check that decode steps only use warmed shapes).
         self.shapes_seen: set[tuple[int, ...]] = set()
+        self.shapes_warmed: set[tuple[int, ...]] = set()
 
     def prepare(self, batch: Batch, pad: bool | None = None) -> StepInput:
         pad = self.config.shape_buckets if pad is None else pad
@@ -135,14 +138,17 @@ class ModelRunner:
             out_cells=tensor(out_cells),  # type: ignore[operator]
         )
 
+    @staticmethod
+    def shape_key(input_ids: torch.Tensor, sample_index: torch.Tensor, meta: AttentionMetadata) -> tuple[int, ...]:
+        """Every dimension a compiled step depends on."""
+        groups = (x for g in meta.groups for x in (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0]))
+        return (input_ids.shape[0], sample_index.shape[0], *groups)
+
     @torch.inference_mode()
     def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
         inp = self.prepare(batch, pad)
-        self.shapes_seen.add(
-            (inp.input_ids.shape[0], inp.sample_index.shape[0])
-            + tuple(x for g in inp.meta.groups for x in (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0]))
-        )
+        self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         logits = self.model.compute_logits(hidden[inp.sample_index])
         num_real = sum(c for _, c in inp.rows)
@@ -171,5 +177,7 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.device), groups=[group])
             hidden = self.model(zeros, zeros, self.kv_caches, meta)
-            self.model.compute_logits(hidden[zeros[: _bucket(b)]])
+            sample_index = zeros[: _bucket(b) if kind == "decode" else 1]
+            self.model.compute_logits(hidden[sample_index])
+            self.shapes_warmed.add(self.shape_key(zeros, sample_index, meta))
         return len(shapes)

@@ -50,6 +50,8 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Penalties and min_tokens on a copy of the fp32 logits [rows, vocab]; one row per seq."""
+        if not any(s.params.has_penalties or s.params.min_tokens for s in seqs):
+            return logits
         logits = logits.clone()
         for i, seq in enumerate(seqs):
             p = seq.params

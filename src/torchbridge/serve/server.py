@@ -26,6 +26,7 @@ rebuild its index for this server from the events that follow.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -245,12 +246,22 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, prompt in enumerate(prompts):
+        async def finals_of(prompt: str | list[int]) -> dict[int, SeqUpdate]:
             finals: dict[int, SeqUpdate] = {}
             async for u in run(prompt, params, True, request):
                 if u.finished:
                     finals[u.index] = u
+            return finals
+
+        # Several prompts in one request run concurrently: the engine batches them.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(finals_of(p)) for p in prompts]
+        except* APIError as group:  # one refused prompt refuses the request (and cancels the others)
+            raise group.exceptions[0] from None
+        results = [t.result() for t in tasks]
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, finals in enumerate(results):
             for j in range(params.n):
                 seq = finals[j].seq
                 prompt_tokens += seq.prompt_len if j == 0 else 0

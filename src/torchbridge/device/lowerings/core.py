@@ -132,6 +132,11 @@ def reciprocal(a):
 def pow_(a, b):
     dt = out_dtype()
     a, b = _cast_all(a, b, dtype=dt)
+    if jnp.issubdtype(dt, jnp.signedinteger):
+        # Integer powers with a negative exponent follow C's integer division: 1, +-1 or 0.
+        pos = jnp.power(a, jnp.maximum(b, 0))
+        neg = jnp.where(a == 1, 1, jnp.where(a == -1, jnp.where(b % 2 == 0, 1, -1), 0)).astype(dt)
+        return jnp.where(b < 0, neg, pos)
     return jnp.power(a, b)
 
 

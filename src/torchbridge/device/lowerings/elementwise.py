@@ -76,6 +76,13 @@ def polygamma(n, a):
     x = _f(a)
     if n == 0:
         return jnp.where(x == 0, jnp.copysign(jnp.asarray(jnp.inf, x.dtype), -x), jsp.digamma(x))
+    if n == 1:
+        # JAX's trigamma loses accuracy for negative arguments; PyTorch uses the reflection
+        # formula psi1(x) = pi^2 / sin^2(pi x) - psi1(1 - x) there.
+        neg = x < 0
+        pi = jnp.asarray(jnp.pi, x.dtype)
+        refl = pi * pi / jnp.sin(pi * x) ** 2 - jsp.polygamma(1, 1 - x)
+        return jnp.where(neg, refl, jsp.polygamma(1, jnp.where(neg, jnp.ones_like(x), x)))
     return jsp.polygamma(n, x)
 
 
@@ -468,7 +475,7 @@ def logit(a, eps=None):
 def log_sigmoid_forward(a):
     x = _f(a)
     # Returns (output, buffer); the buffer is only read by our own backward, which recomputes.
-    return -jax.nn.softplus(-x), jnp.zeros((0,), x.dtype)
+    return -jax.nn.softplus(-x), jnp.zeros_like(x)
 
 
 @lower("hardshrink")

@@ -177,6 +177,20 @@ def _highest(dtype):
     return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
+def _reduce_into(self, idx, vals, reduce: str, include_self: bool):
+    """self with vals reduced into the positions idx (repeats reduce together), as scatter_reduce."""
+    if reduce == "mean":
+        base = self if include_self else self.at[idx].set(0)
+        total = base.at[idx].add(vals)
+        count = jnp.ones(self.shape, self.dtype) if include_self else jnp.ones(self.shape, self.dtype).at[idx].set(0)
+        count = count.at[idx].add(1)
+        count = jnp.where(count == 0, 1, count)
+        return total / count if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.floor_divide(total, count)
+    neutral = {"sum": 0, "prod": 1, "amax": _lowest(self.dtype), "amin": _highest(self.dtype)}[reduce]
+    base = self if include_self else self.at[idx].set(jnp.asarray(neutral, self.dtype))
+    return _apply(base.at[idx], vals, reduce)
+
+
 @lower("scatter_reduce")
 def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     index = jnp.asarray(index)
@@ -186,20 +200,28 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     if squeeze:
         self, index, src = self.reshape(1), index.reshape(1), jnp.asarray(src).reshape(1)
     d = _dim(dim, self.ndim)
-    idx = _scatter_index(d, index)
-    vals = _scatter_src(src, index, self.dtype)
-    if reduce == "mean":
-        base = self if include_self else self.at[idx].set(0)
-        total = base.at[idx].add(vals)
-        count = jnp.ones(self.shape, self.dtype) if include_self else jnp.ones(self.shape, self.dtype).at[idx].set(0)
-        count = count.at[idx].add(1)
-        count = jnp.where(count == 0, 1, count)
-        out = total / count if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.floor_divide(total, count)
-    else:
-        neutral = {"sum": 0, "prod": 1, "amax": _lowest(self.dtype), "amin": _highest(self.dtype)}[reduce]
-        base = self if include_self else self.at[idx].set(jnp.asarray(neutral, self.dtype))
-        out = _apply(base.at[idx], vals, reduce)
+    out = _reduce_into(self, _scatter_index(d, index), _scatter_src(src, index, self.dtype), reduce, include_self)
     return out.reshape(()) if squeeze else out
+
+
+@lower("index_reduce")
+def index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    squeeze = self.ndim == 0
+    if squeeze:
+        self, source = self.reshape(1), jnp.asarray(source).reshape(1)
+    d = _dim(dim, self.ndim)
+    idx = _along(d, self.ndim, jnp.asarray(index).reshape(-1))
+    out = _reduce_into(self, idx, jnp.asarray(source).astype(self.dtype), reduce, include_self)
+    return out.reshape(()) if squeeze else out
+
+
+@lower("put")
+def put(self, index, source, accumulate=False):
+    flat = self.reshape(-1)
+    index = jnp.asarray(index).reshape(-1)
+    index = jnp.where(index < 0, index + flat.shape[0], index)
+    src = jnp.asarray(source).astype(self.dtype).reshape(-1)
+    return (flat.at[index].add(src) if accumulate else flat.at[index].set(src)).reshape(self.shape)
 
 
 # ---- masks ----
@@ -248,6 +270,17 @@ def _unique2(self, sorted=True, return_inverse=False, return_counts=False):  # n
 
 _unique2.dynamic_shape = True
 lower("_unique2")(_unique2)
+
+
+def _unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):  # noqa: A002 - ATen's name
+    values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1).astype(jnp.int64) if return_inverse else jnp.zeros((0,), jnp.int64)
+    counts = counts.astype(jnp.int64) if return_counts else jnp.zeros((0,), jnp.int64)
+    return values, inverse, counts
+
+
+_unique_dim.dynamic_shape = True
+lower("unique_dim")(_unique_dim)
 
 
 def _unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):

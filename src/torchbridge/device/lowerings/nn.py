@@ -120,34 +120,63 @@ def _pool_args(nsp, kernel_size, stride, padding, dilation=1):
 
 
 def _window_positions(out_n: int, k: int, s: int, p: int, d: int) -> np.ndarray:
-    """(out, k) input coordinates covered by each window (may fall outside the input)."""
+    """(out, k) input coordinates covered by each pooling window (may fall outside the input)."""
     return np.arange(out_n)[:, None] * s + np.arange(k)[None, :] * d - p
+
+
+def _max_windows(x, windows):
+    """Max and flat argmax over windows given per spatial dim as (positions (out, k), inside (out, k))."""
+    nsp = len(windows)
+    sizes = x.shape[-nsp:]
+    outs = tuple(pos.shape[0] for pos, _ in windows)
+    ks = tuple(pos.shape[1] for pos, _ in windows)
+    idx, valid, flat = [], np.ones((1,) * (2 * nsp), bool), np.zeros((1,) * (2 * nsp), np.int64)
+    for i, (pos, ok) in enumerate(windows):
+        shape = [1] * (2 * nsp)
+        shape[i], shape[nsp + i] = outs[i], ks[i]
+        pos = np.clip(pos, 0, sizes[i] - 1).reshape(shape)
+        idx.append(pos)
+        valid = valid & ok.reshape(shape)
+        flat = flat * sizes[i] + pos
+    patches = x[(Ellipsis, *idx)]  # (..., out..., k...)
+    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    patches = jnp.where(valid, patches, jnp.asarray(low, x.dtype))
+    patches = patches.reshape(patches.shape[: x.ndim - nsp] + outs + (-1,))
+    arg = jnp.argmax(patches, axis=-1)  # first maximum (NaN counts as maximum), like the CPU kernel
+    values = jnp.take_along_axis(patches, arg[..., None], axis=-1)[..., 0]
+    flat = jnp.asarray(np.broadcast_to(flat, outs + ks).reshape(outs + (-1,)))
+    indices = jnp.take_along_axis(jnp.broadcast_to(flat, patches.shape), arg[..., None], axis=-1)[..., 0]
+    return values, indices
 
 
 def _max_pool_with_indices(nsp, x, kernel_size, stride, padding, dilation, ceil_mode):
     k, s, p, d = _pool_args(nsp, kernel_size, stride, padding, dilation)
     sizes = x.shape[-nsp:]
-    outs = _out_shape(0)[-nsp:]
-    idx, valid, flat = [], np.ones((1,) * (2 * nsp), bool), np.zeros((1,) * (2 * nsp), np.int64)
-    for i in range(nsp):
-        pos = _window_positions(outs[i], k[i], s[i], p[i], d[i])
-        shape = [1] * (2 * nsp)
-        shape[i], shape[nsp + i] = outs[i], k[i]
-        ok = ((pos >= 0) & (pos < sizes[i])).reshape(shape)
-        pos = np.clip(pos, 0, sizes[i] - 1).reshape(shape)
-        idx.append(pos)
-        valid = valid & ok
-        flat = flat * sizes[i] + pos
-    patches = x[(Ellipsis, *idx)]  # (..., out..., k...)
-    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    patches = jnp.where(valid, patches, jnp.asarray(low, x.dtype))
-    lead = patches.shape[: x.ndim - nsp]
-    patches = patches.reshape(lead + tuple(outs) + (-1,))
-    arg = jnp.argmax(patches, axis=-1)  # first maximum (NaN counts as maximum), like the CPU kernel
-    values = jnp.take_along_axis(patches, arg[..., None], axis=-1)[..., 0]
-    flat = jnp.asarray(np.broadcast_to(flat, tuple(outs) + tuple(k)).reshape(tuple(outs) + (-1,)))
-    indices = jnp.take_along_axis(jnp.broadcast_to(flat, patches.shape), arg[..., None], axis=-1)[..., 0]
-    return values, indices
+    windows = []
+    for i, o in enumerate(_out_shape(0)[-nsp:]):
+        pos = _window_positions(o, k[i], s[i], p[i], d[i])
+        windows.append((pos, (pos >= 0) & (pos < sizes[i])))
+    return _max_windows(x, windows)
+
+
+def _adaptive_windows(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Adaptive pooling window i covers [floor(i*n/o), ceil((i+1)*n/o)); padded to the longest window."""
+    start = (np.arange(n_out) * n_in) // n_out
+    end = -((-(np.arange(n_out) + 1) * n_in) // n_out)
+    pos = start[:, None] + np.arange(int((end - start).max()))[None, :]
+    return pos, pos < end[:, None]
+
+
+@lower("adaptive_max_pool2d")
+def adaptive_max_pool2d(self, output_size):
+    return _max_windows(self, [_adaptive_windows(n, o) for n, o in zip(self.shape[-2:], _out_shape()[-2:],
+                                                                          strict=True)])
+
+
+@lower("adaptive_max_pool3d")
+def adaptive_max_pool3d(self, output_size):
+    return _max_windows(self, [_adaptive_windows(n, o) for n, o in zip(self.shape[-3:], _out_shape()[-3:],
+                                                                          strict=True)])
 
 
 def _max_pool_backward(nsp, grad_output, x, indices):
@@ -172,6 +201,16 @@ def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1,
 @lower("max_pool2d_with_indices_backward")
 def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
     return _max_pool_backward(2, grad_output, self, indices)
+
+
+@lower("adaptive_max_pool2d_backward")
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _max_pool_backward(2, grad_output, self, indices)
+
+
+@lower("adaptive_max_pool3d_backward")
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _max_pool_backward(3, grad_output, self, indices)
 
 
 @lower("max_pool3d_with_indices_backward")
@@ -468,47 +507,48 @@ def _source_scale(n_in: int, n_out: int, scale, dtype) -> np.floating:
     return dtype(n_in) / dtype(n_out)
 
 
-def _nearest_index(n_in: int, n_out: int, scale) -> np.ndarray:
+def _nearest_index(n_in: int, n_out: int, scale, exact: bool) -> np.ndarray:
+    s = _source_scale(n_in, n_out, scale, np.float32)
+    if exact:  # "nearest-exact": sample at pixel centres
+        return np.minimum(np.floor((np.arange(n_out) + 0.5) * s).astype(np.int64), n_in - 1)
     if n_out == n_in:
         return np.arange(n_out)
     if n_out == 2 * n_in:
         return np.arange(n_out) >> 1
-    s = _source_scale(n_in, n_out, scale, np.float32)
     return np.minimum(np.floor(np.arange(n_out, dtype=np.float32) * s).astype(np.int64), n_in - 1)
 
 
-def _nearest_indices(in_sizes, out_sizes, scales) -> tuple:
+def _nearest_indices(in_sizes, out_sizes, scales, exact: bool) -> tuple:
     nsp = len(in_sizes)
     idx = []
     for i, (n_in, n_out, sc) in enumerate(zip(in_sizes, out_sizes, scales, strict=True)):
         shape = [1] * nsp
         shape[i] = n_out
-        idx.append(_nearest_index(n_in, n_out, sc).reshape(shape))
+        idx.append(_nearest_index(n_in, n_out, sc, exact).reshape(shape))
     return tuple(idx)
 
 
-def _upsample_nearest(nsp):
+def _upsample_nearest(nsp, exact=False):
     def fn(input, output_size, *rest):
         outs = _out_shape()[-nsp:]
-        return input[(Ellipsis, *_nearest_indices(input.shape[-nsp:], outs, _scales(rest, nsp)))]
+        return input[(Ellipsis, *_nearest_indices(input.shape[-nsp:], outs, _scales(rest, nsp), exact))]
 
     return fn
 
 
-def _upsample_nearest_backward(nsp):
+def _upsample_nearest_backward(nsp, exact=False):
     def fn(grad_output, output_size, input_size, *rest):
-        idx = _nearest_indices(tuple(input_size)[-nsp:], grad_output.shape[-nsp:], _scales(rest, nsp))
+        idx = _nearest_indices(tuple(input_size)[-nsp:], grad_output.shape[-nsp:], _scales(rest, nsp), exact)
         return jnp.zeros(tuple(input_size), grad_output.dtype).at[(Ellipsis, *idx)].add(grad_output)
 
     return fn
 
 
-lower("upsample_nearest1d")(_upsample_nearest(1))
-lower("upsample_nearest2d")(_upsample_nearest(2))
-lower("upsample_nearest3d")(_upsample_nearest(3))
-lower("upsample_nearest1d_backward")(_upsample_nearest_backward(1))
-lower("upsample_nearest2d_backward")(_upsample_nearest_backward(2))
-lower("upsample_nearest3d_backward")(_upsample_nearest_backward(3))
+for _n in (1, 2, 3):
+    lower(f"upsample_nearest{_n}d")(_upsample_nearest(_n))
+    lower(f"upsample_nearest{_n}d_backward")(_upsample_nearest_backward(_n))
+    lower(f"_upsample_nearest_exact{_n}d")(_upsample_nearest(_n, exact=True))
+    lower(f"_upsample_nearest_exact{_n}d_backward")(_upsample_nearest_backward(_n, exact=True))
 
 
 def _linear_weights(n_in: int, n_out: int, align_corners: bool, scale, dtype):
@@ -662,4 +702,32 @@ def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduct
     g = grad_output * (self - target) / jnp.maximum((1 - self) * self, _BCE_EPS)
     if weight is not None:
         g = g * weight
+    return g / self.size if reduction == _MEAN else g
+
+
+@lower("smooth_l1_loss")
+def smooth_l1_loss(self, target, reduction=_MEAN, beta=1.0):
+    d = jnp.abs(self - target)
+    loss = d if beta == 0 else jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+@lower("smooth_l1_loss_backward")
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    d = self - target
+    g = jnp.sign(d) if beta == 0 else jnp.where(jnp.abs(d) < beta, d / beta, jnp.sign(d))
+    g = g * grad_output
+    return g / self.size if reduction == _MEAN else g
+
+
+@lower("huber_loss")
+def huber_loss(self, target, reduction=_MEAN, delta=1.0):
+    d = jnp.abs(self - target)
+    return _reduce(jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
+
+
+@lower("huber_loss_backward")
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    d = self - target
+    g = jnp.clip(d, -delta, delta) * grad_output
     return g / self.size if reduction == _MEAN else g

@@ -85,6 +85,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """One q|k|v matmul instead of three: fewer, larger GEMMs (after the weights are loaded)."""
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(lins[0].in_features, sum(x.out_features for x in lins), bias=self.q_proj.bias is not None)
+        fused = fused.to(device=self.q_proj.weight.device, dtype=self.q_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([x.weight for x in lins]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([x.bias for x in lins]))
+        self.qkv_proj = fused
 
     def forward(
         self,
@@ -95,9 +107,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([qd, kd, kd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -112,8 +129,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False).to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(w)
+        self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -199,6 +227,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
         return self.model.norm(x)
+
+    def fuse(self) -> None:
+        """Fuse projections for inference; the per-projection weights are dropped to save memory."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.fuse()
+            del attn.q_proj, attn.k_proj, attn.v_proj
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+                del layer.mlp.gate_proj, layer.mlp.up_proj
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -61,4 +61,5 @@ def load_model(
     # Buffers were only shapes on meta; rope tables stay fp32 and are cast per step.
     cos, sin = rope_tables(cfg, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.fuse()
     return model.eval()
