@@ -10,6 +10,7 @@ Reported: median microseconds per op over repeated measurements, and the ratios 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -68,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, inputs, torch_fn, jax_fn in cases():
         iters = args.iters if "1024" not in name else max(5, args.iters // 20)
-        cpu_us = _time(lambda: torch_fn(*inputs), lambda r: None, iters)
         jx = [jnp.asarray(t.numpy()) for t in inputs]
-        jax_us = _time(lambda: jax_fn(*jx), lambda r: r.block_until_ready(), iters)
         dv = [t.to(DEV) for t in inputs]
-        dev_us = _time(lambda: torch_fn(*dv), _sync_dev, iters)
+        cpu_us = _time(functools.partial(torch_fn, *inputs), lambda r: None, iters)
+        jax_us = _time(functools.partial(jax_fn, *jx), lambda r: r.block_until_ready(), iters)
+        dev_us = _time(functools.partial(torch_fn, *dv), _sync_dev, iters)
         rows.append((name, cpu_us, jax_us, dev_us))
     header = "| op | torch CPU (us) | jax.numpy (us) | torchbridge eager (us) | bridge - jax.numpy (us) | bridge / jax.numpy |"
     lines = [header, "|---|---:|---:|---:|---:|---:|"]
