@@ -4,8 +4,9 @@
         replica model calibrated from our engine (CALIBRATED below, or --calibrate URL);
   real  --real N engine replicas of `torchbridge serve` on this machine behind the real proxy.
 
-Default (`python bench/bench_route.py`): sim only, 1,000 replicas, bounded to ~10 minutes on
-two cores. Results go to docs/benchmarks/route-results.json and PNG plots next to route.md.
+Default (`python bench/bench_route.py`): sim only, 1,000 replicas. Real replicas:
+`python bench/bench_route.py --no-sim --real 4 --model DIR`. Results go to
+docs/benchmarks/route-results-{sim,real}.json and PNG plots next to route.md.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         real_rows = [r for r in results["real"] if "arm" in r]
         print(table(real_rows))
         results["real_plots"] = plots(real_rows, f"real{args.tag}")
-    path = OUT / f"route-results{args.tag}.json"
+    mode = ("sim" if not args.no_sim else "") + ("real" if args.real else "")
+    path = OUT / f"route-results-{mode}{args.tag}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return 0

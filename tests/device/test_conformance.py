@@ -74,7 +74,11 @@ def test_matches_cpu(op_table: dict[str, object], key: str, variant: str) -> Non
 def test_mismatch_is_reported(op_table: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner must be able to fail: a device result that differs from the CPU is a 'fail'."""
     real = conformance._to_cpu
-    monkeypatch.setattr(conformance, "_to_cpu", lambda v: real(v) + 1 if isinstance(v, torch.Tensor) else v)
+    def shifted(v: object) -> object:
+        on_device = isinstance(v, torch.Tensor) and v.device.type == conformance.DEVICE
+        return real(v) + 1 if on_device else real(v)
+
+    monkeypatch.setattr(conformance, "_to_cpu", shifted)
     res = conformance.check(op_table["exp"], "f32", max_samples=1)
     assert res.status == "fail" and "not close" in res.note
 

@@ -102,6 +102,7 @@ def test_index_select_add_copy_fill(x):
     check(lambda t, i: t.index_fill(0, i[:1], torch.tensor(2.0)), x, idx)
 
 
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")  # torch's deprecation note (CPU side)
 def test_gather_scatter(x):
     idx = torch.tensor([[0, 5], [1, 1], [4, 2], [3, 3]])
     check(lambda t, i: torch.gather(t, 1, i), x, idx)
@@ -127,6 +128,21 @@ def test_scatter_reduce(reduce):
         check(lambda b, i, s: b.scatter_reduce(1, i, s, "mean"), ib, idx, torch.arange(12).view(3, 4) * 3)
 
 
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")  # torch's own note (CPU side)
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+def test_index_reduce(x, reduce):
+    idx = torch.tensor([0, 0, 3])
+    for include_self in (True, False):
+        check(lambda t, i, inc=include_self: t.index_reduce(1, i, t[:, :3] * 2, reduce, include_self=inc), x, idx)
+
+
+def test_put_and_take(x):
+    idx = torch.tensor([[0, -1], [7, 7]])
+    check(lambda t, i: t.put(i, torch.ones(2, 2, device=t.device) * 3), x, torch.tensor([[0, -1], [7, 9]]))
+    check(lambda t, i: t.put_(i, torch.arange(4.0, device=t.device).view(2, 2), accumulate=True), x, idx)
+    check(lambda t, i: torch.take(t, i), x, idx)
+
+
 def test_masked_ops(x):
     mask = torch.tensor([True, False, True, False, False, True])
     check(lambda t, m: t.masked_fill(m, 0.25), x, mask)
@@ -150,9 +166,11 @@ def test_dynamic_shapes(x):
     check(lambda t: torch.unique(t, return_inverse=True, return_counts=True), v)
     check(lambda t: torch.unique(t), v)
     check(lambda t: torch.unique_consecutive(t, return_inverse=True, return_counts=True), v)
+    rows = torch.tensor([[1, 2], [0, 5], [1, 2], [0, 5], [3, 3]])
+    check(lambda t: torch.unique(t, dim=0, return_inverse=True, return_counts=True), rows)
 
 
-def test_take_search_bucketize():
+def test_search_bucketize():
     seq = torch.tensor([1.0, 2.0, 2.0, 5.0, 9.0])
     vals = torch.tensor([[0.0, 2.0, 3.0], [5.0, 9.0, 10.0]])
     check(lambda s, v: torch.searchsorted(s, v), seq, vals)
@@ -160,7 +178,6 @@ def test_take_search_bucketize():
     check(lambda s, v: torch.searchsorted(s, v, side="right", out_int32=True), seq.expand(2, 5), vals)
     check(lambda s, v: torch.bucketize(v, s), seq, vals)
     check(lambda s, v: torch.bucketize(v, s, right=True), seq, vals)
-    check(lambda t: torch.take(t, torch.tensor([[0, -1], [4, 3]], device=t.device)), vals)
 
 
 def test_embedding_forward_backward():
@@ -187,8 +204,15 @@ def test_cat_stack_pad(x):
     check(lambda a: F.pad(a, (1, 2)), x)
     check(lambda a: F.pad(a, (1, -2, 2, 0), value=3.0), x)
     img = torch.randn(1, 2, 4, 5)
-    check(lambda a: F.pad(a, (2, 1, 1, 2), mode="reflect"), img)
-    check(lambda a: F.pad(a, (2, 1, 1, 2), mode="replicate"), img)
+    seed = torch.linspace(-1, 1, 2 * 7 * 8).view(1, 2, 7, 8)
+    for mode in ("reflect", "replicate"):
+        def pad_grad(a, s, mode=mode):
+            a.requires_grad_(True)
+            out = F.pad(a, (2, 1, 1, 2), mode=mode)
+            out.backward(s)
+            return out, a.grad
+
+        check(pad_grad, img, seed)
 
 
 def test_reorder_and_triangles(x):

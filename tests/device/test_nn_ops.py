@@ -73,6 +73,7 @@ def test_pooling():
     fwd_bwd(lambda x: F.avg_pool2d(x, 2, divisor_override=3), x)
     fwd_bwd(lambda x: F.adaptive_avg_pool2d(x, (4, 3)), x)
     fwd_bwd(lambda x: F.adaptive_avg_pool2d(x, 1), x)
+    fwd_bwd(lambda x: F.adaptive_max_pool2d(x, (4, 3), return_indices=True), x)
 
 
 def test_max_pool_ties_pick_first():
@@ -126,6 +127,7 @@ def test_upsample():
     fwd_bwd(lambda x: F.interpolate(x, size=(7, 3), mode="nearest"), x)
     fwd_bwd(lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"), x)
     fwd_bwd(lambda x: F.interpolate(x, size=(7, 9), mode="bilinear", align_corners=True), x)
+    fwd_bwd(lambda x: F.interpolate(x, size=(6, 7), mode="nearest-exact"), x)
 
 
 def test_losses():
@@ -142,6 +144,8 @@ def test_losses():
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     fwd_bwd(lambda a, b: F.mse_loss(a, b), a, b)
     fwd_bwd(lambda a, b: F.mse_loss(a, b, reduction="none"), a, b)
+    fwd_bwd(lambda a, b: F.smooth_l1_loss(a, b, beta=0.5), a, b)
+    fwd_bwd(lambda a, b: F.huber_loss(a, b, delta=0.7, reduction="sum"), a, b)
     p = torch.rand(3, 4).clamp(0.05, 0.95)
     fwd_bwd(lambda p, t: F.binary_cross_entropy(p, t), p, torch.rand(3, 4))
     bw = torch.rand(3, 4)
@@ -156,3 +160,30 @@ def test_scaled_dot_product_attention():
     mask = torch.rand(6, 6) > 0.3
     mask[:, 0] = True
     fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device)), q2, k, v)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, fused=True),
+], ids=["adam", "adamw_amsgrad"])
+def test_fused_optimizer_steps_match_cpu(make):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    dev = [p.detach().to(DEV).requires_grad_() for p in model.parameters()]
+    x = torch.randn(5, 4)
+
+    def loss(ps, x):
+        h = torch.tanh(x @ ps[0].t() + ps[1])
+        return (h @ ps[2].t() + ps[3]).square().sum()
+
+    # CPU reference: the plain (unfused) for-loop implementation of the same optimizer.
+    opt_ref = make(ref)
+    for g in opt_ref.param_groups:
+        g["fused"], g["foreach"] = False, False
+    opt_dev = make(dev)
+    for _ in range(3):
+        for ps, opt, xx in ((ref, opt_ref, x), (dev, opt_dev, x.to(DEV))):
+            opt.zero_grad()
+            loss(ps, xx).backward()
+            opt.step()
+    torch.testing.assert_close([p.detach().cpu() for p in dev], [p.detach() for p in ref], atol=1e-5, rtol=1e-5)

@@ -41,7 +41,7 @@ def test_passthrough_is_byte_identical(fake_replicas, router, path, body, stream
         assert via.content.endswith(b"data: [DONE]\n\n")
 
 
-def test_streamed_chunks_arrive_incrementally(fake_replicas, router) -> None:
+def test_streamed_events_relayed_in_order(fake_replicas, router) -> None:
     (f,) = fake_replicas(1, delay_token_s=0.02)
     url, _ = router([f.url])
     with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True, "max_tokens": 5}) as r:

@@ -179,6 +179,38 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _SampleTimeout()
 
 
+def _clone(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value) if type(value) in (list, tuple) else [_clone(v) for v in value]
+    return value
+
+
+def _calls_seeded_op(op: Any, s: Any) -> bool:
+    """Whether the op draws random numbers: some OpInfos wrap a random op in a fixed seed
+    (`wrapper_set_seed`), so comparing two seeds cannot see it; the aten ops it calls can."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        seeded = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                Spy.seeded = True
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with Spy():
+            op(_clone(s.input), *_clone(list(s.args)), **{k: _clone(v) for k, v in s.kwargs.items()})
+    except Exception:
+        return False
+    return Spy.seeded
+
+
 def _is_random(op: Any, samples: list[Any]) -> bool:
     import torch
 
@@ -187,11 +219,14 @@ def _is_random(op: Any, samples: list[Any]) -> bool:
     if not samples:
         return False
     s = samples[0]
+    if any(_calls_seeded_op(op, x) for x in samples):
+        return True
     try:
+        # Fresh copies of the inputs and snapshots of the outputs: an in-place op mutates its input.
         torch.manual_seed(0)
-        a = op(s.input, *s.args, **s.kwargs)
+        a = _clone(op(_clone(s.input), *_clone(list(s.args)), **{k: _clone(v) for k, v in s.kwargs.items()}))
         torch.manual_seed(1)
-        b = op(s.input, *s.args, **s.kwargs)
+        b = _clone(op(_clone(s.input), *_clone(list(s.args)), **{k: _clone(v) for k, v in s.kwargs.items()}))
         _compare(a, b, {"atol": 0, "rtol": 0}, shape_only=False, on_device=False)
     except _Skip:
         return False
@@ -281,11 +316,7 @@ def _run_sample(op: Any, s: Any, tol: dict[str, float], grad: bool, random: bool
     """None if the sample agrees, 'skip:<why>' if it cannot be compared, else the error."""
     import torch
 
-    try:
-        torch.manual_seed(0)
-        expected = op(s.input, *s.args, **s.kwargs)
-    except Exception as e:
-        return f"skip:CPU raises ({_short(e)})"
+    # Copy to the device first: an in-place op mutates the CPU sample.
     leaves: dict[int, Any] = {}
     try:
         d_input = _to_device(s.input, leaves)
@@ -295,12 +326,20 @@ def _run_sample(op: Any, s: Any, tol: dict[str, float], grad: bool, random: bool
         return f"skip:{e}"
     try:
         torch.manual_seed(0)
+        expected = op(s.input, *s.args, **s.kwargs)
+    except Exception as e:
+        return f"skip:CPU raises ({_short(e)})"
+    try:
+        torch.manual_seed(0)
         actual = op(d_input, *d_args, **d_kwargs)
         _compare(expected, actual, tol, shape_only=random)
     except _Skip as e:
         return f"skip:{e}"
     except _SampleTimeout:
         raise
+    except AssertionError as e:
+        if grad or random or not _closer_to_float64(op, s, actual, tol):
+            return _short(e)
     except Exception as e:
         return _short(e)
     if not grad:
@@ -331,6 +370,28 @@ def _run_sample(op: Any, s: Any, tol: dict[str, float], grad: bool, random: bool
     except Exception as e:
         return "backward: " + _short(e)
     return None
+
+
+def _closer_to_float64(op: Any, s: Any, actual: Any, tol: dict[str, float]) -> bool:
+    """Whether a float32 device result that misses the CPU float32 result matches the CPU float64
+    result (rounded to float32) instead: the device is then the more accurate one (e.g. polygamma
+    near its poles), which is not a conformance failure."""
+    import torch
+
+    def up(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().double() if v.dtype == torch.float32 else v
+        if isinstance(v, (list, tuple)):
+            return type(v)(up(x) for x in v)
+        return v
+
+    try:
+        ref = op(up(s.input), *up(s.args), **{k: up(v) for k, v in s.kwargs.items()})
+        ref = [r.float() if isinstance(r, torch.Tensor) and r.dtype == torch.float64 else r for r in _flat(ref)]
+        _compare(ref, _flat(actual), tol, shape_only=False)
+    except Exception:
+        return False
+    return True
 
 
 def check_op(op: Any, variants: Iterable[str] = VARIANTS, **kw: Any) -> dict[str, Result]:
@@ -449,6 +510,8 @@ def sweep(keys: list[str], args: argparse.Namespace) -> dict[str, dict[str, Resu
                     res = {v: Result(**r) for v, r in m["res"].items()}
                     results[m["op"]] = res
                     _progress(m["op"], res, len(results), len(keys))
+                    if args.json and len(results) % 10 == 0:  # a killed sweep keeps what it has done
+                        save_json(args.json, results)
                     dispatch_next(w)
         now = time.monotonic()
         for w in list(workers):
@@ -462,6 +525,19 @@ def sweep(keys: list[str], args: argparse.Namespace) -> dict[str, dict[str, Resu
         sel.unregister(w.proc.stdout)
         w.kill()
     return results
+
+
+def save_json(path: str, results: dict[str, dict[str, Result]]) -> dict[str, dict[str, Result]]:
+    """Merge `results` into the JSON file at `path`; returns the merged results."""
+    raw = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            raw = json.load(f)
+    raw.update({k: {v: r.as_dict() for v, r in res.items()} for k, res in results.items()})
+    with open(path + ".tmp", "w") as f:
+        json.dump(raw, f, indent=0, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return {k: {v: Result(**r) for v, r in res.items()} for k, res in raw.items()}
 
 
 def _progress(key: str, res: dict[str, Result], n: int, total: int) -> None:
@@ -494,7 +570,9 @@ def render(results: dict[str, dict[str, Result]], all_keys: list[str], command: 
              f"{_ARGS.max_samples if _ARGS else '?'} per variant); each is run on the CPU and, moved, on the "
              "`tpu` device, and the outputs are compared with `torch.testing.assert_close` "
              f"(float32 forward atol={TOL['f32']['atol']}, rtol={TOL['f32']['rtol']}; backward "
-             f"atol={TOL['bwd']['atol']}, rtol={TOL['bwd']['rtol']}; int64 exact).",
+             f"atol={TOL['bwd']['atol']}, rtol={TOL['bwd']['rtol']}; int64 exact). A float32 forward "
+             "sample that misses the CPU float32 result but matches the CPU float64 result (rounded to "
+             "float32) passes: the device is then the more accurate of the two.",
              "",
              "* **f32 fwd**: float32 forward. **i64 fwd**: int64 forward. **f32 bwd**: gradients of the sum "
              "of the float outputs w.r.t. the float inputs.",
@@ -547,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=60.0, help="seconds of samples per variant (soft)")
     p.add_argument("--op-timeout", type=float, default=300.0, help="hard cap per op, all variants (s)")
     p.add_argument("--log", default="", help="worker stderr goes here")
+    p.add_argument("--render", default="", metavar="CMD",
+                   help="run nothing: re-render --write from the --json results, citing CMD as the command")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     _ARGS = args
@@ -564,18 +644,17 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"unknown OpInfo names: {', '.join(unknown)}", file=sys.stderr)
             return 2
+    if args.render:
+        with open(args.json) as f:
+            results = {k: {v: Result(**r) for v, r in res.items()} for k, res in json.load(f).items()}
+        with open(args.write, "w") as f:
+            f.write(render(results, all_keys, args.render))
+        return 0
     if not keys:
         p.error("nothing to run: pass --all or --ops")
     results = sweep(keys, args)
     if args.json:
-        raw = {}
-        if os.path.exists(args.json):
-            with open(args.json) as f:
-                raw = json.load(f)
-        raw.update({k: {v: r.as_dict() for v, r in res.items()} for k, res in results.items()})
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=0, sort_keys=True)
-        results = {k: {v: Result(**r) for v, r in res.items()} for k, res in raw.items()}
+        results = save_json(args.json, results)
     for v, (passed, n) in summarize(results).items():
         print(f"{v}: {passed}/{n} passed ({100 * passed / n if n else 0:.1f}%)")
     if args.write:

@@ -454,6 +454,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         names = info.out_args or (info.mutated[0],)
         vals = [args[info.arg_names.index(n)] if n not in kwargs else kwargs[n] for n in names]
         result = vals[0] if len(vals) == 1 else tuple(vals)
+        if not op._schema.returns:  # e.g. _fused_adam_ mutates its lists and returns nothing
+            result = None
     else:
         outs = []
         for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):

@@ -39,13 +39,15 @@ def to_torch(dtype: np.dtype) -> torch.dtype:
 
 def host_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array of the matching JAX dtype (bfloat16 via ml_dtypes)."""
+    # Through DLPack, not Tensor.numpy(): .numpy() marks the CPU storage non-resizable for good, so a
+    # later `out=` resize of the user's tensor would fail after `t.to(device)`.
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(jnp.bfloat16)
+        return np.from_dlpack(t.view(torch.int16)).view(jnp.bfloat16)
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
         signed = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}[t.dtype]
-        return t.view(signed).numpy().view(TORCH_TO_JAX[t.dtype])
-    return t.numpy()
+        return np.from_dlpack(t.view(signed)).view(TORCH_TO_JAX[t.dtype])
+    return np.from_dlpack(t)
 
 
 def numpy_to_host(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -105,6 +105,12 @@ def _copy_(op, args, kwargs):
     return self
 
 
+# PyTorch's own copy_ reaches these from C++ (e.g. _to_copy under FakeTensorMode when the device is
+# available); a boxed Python *fallback* cannot serve that path (it trips an internal assert in
+# torch's Python-kernel trampoline), so they also get explicit device kernels.
+registry.KERNEL_OVERRIDES.update({"_copy_from", "_copy_from_and_resize"})
+
+
 @direct(aten._copy_from.default)
 def _copy_from(op, args, kwargs):
     src, dst = args[0], args[1]

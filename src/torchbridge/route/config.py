@@ -1,7 +1,7 @@
 """Router configuration: YAML -> validated `RouterConfig`, with errors that name the bad key.
 
     router:       {block_size, session_header, profile_header, default_profile, retries,
-                   request_timeout_s}
+                   request_timeout_s, connect_timeout_s}
     tokenizer:    {model_dir, chars_per_token}
     flow_control: {max_inflight, max_queue, queue_timeout_s}
     health:       {interval_s, timeout_s, scrape_interval_s, kv_events, kv_events_interval_s,
@@ -34,13 +34,14 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "random": {"picker": {"type": "random"}},
     "least-loaded": {"picker": {"type": "least-loaded"}},
     # llm-d-style: prefix affinity traded off against load scorers. Load weights sum above the
-    # prefix weight so one warm replica cannot attract a herd of cold requests.
+    # prefix weight so one warm replica cannot attract a herd of cold requests; `load` counts
+    # decoding requests too, which `inflight-tokens` (prefill backlog) does not see.
     "prefix-aware": {
         "filters": [{"type": "kv-headroom", "max_usage": 0.98}],
         "scorers": [
             {"type": "prefix-cache", "weight": 1.0},
             {"type": "inflight-tokens", "weight": 0.5},
-            {"type": "queue-depth", "weight": 0.5},
+            {"type": "load", "weight": 0.5},
             {"type": "kv-cache-utilization", "weight": 0.3},
         ],
         "picker": {"type": "max-score"},
@@ -50,7 +51,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {"type": "prefix-cache", "weight": 1.0},
             {"type": "session-affinity", "weight": 0.3},
             {"type": "inflight-tokens", "weight": 0.5},
-            {"type": "queue-depth", "weight": 0.3},
+            {"type": "load", "weight": 0.5},
         ],
         "picker": {"type": "sticky-until-saturated", "hit_threshold": 0.8, "max_extra_wait_s": 0.5},
     },
@@ -79,6 +80,7 @@ _SECTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "default_profile": (str, "sticky"),
         "retries": (int, 2),
         "request_timeout_s": ((int, float), 600.0),
+        "connect_timeout_s": ((int, float), 10.0),
     },
     "tokenizer": {
         "model_dir": ((str, type(None)), None),
@@ -115,6 +117,7 @@ class RouterConfig:
     default_profile: str = "sticky"
     retries: int = 2
     request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
     model_dir: str | None = None
     chars_per_token: int = 4
     max_inflight: int = 256

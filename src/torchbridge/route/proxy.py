@@ -86,7 +86,7 @@ class Router:
         self.picker = EndpointPicker(cfg, seed=seed)
         self.picker.tokenizer_exact = self.tokenizer.exact
         self.metrics = RouterMetrics()
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.timeout_s),
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.pool = ReplicaPool(cfg, self.picker, self.metrics, self.client)
         self.flow: FlowControl | None = None  # created inside the event loop

@@ -93,7 +93,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise APIError(404, f"the model `{name}` does not exist", "NotFoundError", "model", "model_not_found")
+            raise APIError(404, f"the model `{name}` does not exist", "invalid_request_error", "model", "model_not_found")
 
     async def parse(request: Request, cls: type) -> object:
         check_auth(request)

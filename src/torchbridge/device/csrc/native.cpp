@@ -17,6 +17,7 @@
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
 
 #include <atomic>
 #include <mutex>
@@ -168,7 +169,13 @@ at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, int64_t of
   TORCH_CHECK(source.device() == self.device() || source.device().type() == kDevice,
               "torchbridge: set_ expects a storage of the same device");
   self.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(source));
-  at::native::setStrided(self, size, stride, offset);
+  // No strides means contiguous (set_(storage) passes none; storage copies rely on it).
+  std::vector<int64_t> strides(stride.begin(), stride.end());
+  if (strides.empty() && !size.empty()) {
+    auto contiguous = c10::contiguous_strides(size);
+    strides.assign(contiguous.begin(), contiguous.end());
+  }
+  at::native::setStrided(self, size, c10::IntArrayRef(strides), offset);
   return self;
 }
 

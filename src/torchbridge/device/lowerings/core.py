@@ -67,10 +67,17 @@ def arange(*args, **kwargs):
 
 
 # ---- elementwise arithmetic ----
-def _promote(a, b):
+def _promote(a, b, exact_scalar=False):
     dt = out_dtype()
     if dt == jnp.bool_:
         return a, b
+    # Half types compute in float32 ("opmath") as in PyTorch's kernels. add/sub round a wider scalar
+    # operand to the half type first; mul/div use its exact value (TensorIterator's
+    # original_scalar_value). The result is cast back to the half type afterwards.
+    if dt in (jnp.float16, jnp.bfloat16):
+        if not exact_scalar:
+            a, b = _cast_all(a, b, dtype=dt)
+        dt = jnp.float32
     return _cast_all(a, b, dtype=dt)
 
 
@@ -98,7 +105,7 @@ def rsub(a, b, alpha=1):
 def mul(a, b):
     if out_dtype() == jnp.bool_:
         return jnp.logical_and(a, b)
-    a, b = _promote(a, b)
+    a, b = _promote(a, b, exact_scalar=True)
     return a * b
 
 
@@ -106,12 +113,12 @@ def mul(a, b):
 def div(a, b, rounding_mode=None):
     dt = out_dtype()
     if rounding_mode is None:
-        a, b = _cast_all(a, b, dtype=dt)
+        a, b = _promote(a, b, exact_scalar=True)
         return a / b
     a, b = _cast_all(a, b, dtype=dt)
     if rounding_mode == "trunc":
         if jnp.issubdtype(dt, jnp.integer):
-            return lax.div(a, b)
+            return lax.div(*jnp.broadcast_arrays(a, b))  # lax ops do not broadcast
         return jnp.trunc(a / b)
     if jnp.issubdtype(dt, jnp.integer):
         return jnp.floor_divide(a, b)

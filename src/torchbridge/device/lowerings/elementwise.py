@@ -9,6 +9,8 @@ the activation backward ops) we use the same formula so results agree to the las
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jsp
@@ -76,14 +78,21 @@ def polygamma(n, a):
     x = _f(a)
     if n == 0:
         return jnp.where(x == 0, jnp.copysign(jnp.asarray(jnp.inf, x.dtype), -x), jsp.digamma(x))
-    if n == 1:
-        # JAX's trigamma loses accuracy for negative arguments; PyTorch uses the reflection
-        # formula psi1(x) = pi^2 / sin^2(pi x) - psi1(1 - x) there.
-        neg = x < 0
-        pi = jnp.asarray(jnp.pi, x.dtype)
-        refl = pi * pi / jnp.sin(pi * x) ** 2 - jsp.polygamma(1, 1 - x)
-        return jnp.where(neg, refl, jsp.polygamma(1, jnp.where(neg, jnp.ones_like(x), x)))
-    return jsp.polygamma(n, x)
+    # JAX's polygamma (a Hurwitz zeta) is wrong for negative arguments; PyTorch's zeta sums the
+    # series there. Shift x up past 0 with the recurrence
+    #   psi_n(x) = psi_n(x + m) - (-1)^n n! sum_{k<m} (x + k)^-(n+1).
+    # Summed in float64: the alternating shift loses float32 digits near the poles.
+    out_dt, x = x.dtype, x.astype(jnp.float64)
+    m = jnp.where(x < 0, jnp.ceil(-x), 0)
+    sign_fact = jnp.asarray((-1) ** n * math.factorial(n), x.dtype)
+
+    def body(state):
+        k, acc = state
+        term = jnp.where(k < m, (x + k) ** -(n + 1), jnp.zeros_like(x))
+        return k + 1, acc + term
+
+    _, acc = lax.while_loop(lambda st: st[0] < jnp.max(m, initial=0), body, (jnp.zeros((), x.dtype), jnp.zeros_like(x)))
+    return (jsp.polygamma(n, x + m) - sign_fact * acc).astype(out_dt)
 
 
 @lower("mvlgamma")
@@ -617,3 +626,4 @@ def hardshrink_backward(grad, a, lambd):
 def softshrink_backward(grad, a, lambd):
     g, x = _both(grad, a)
     return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros_like(g), g)
+

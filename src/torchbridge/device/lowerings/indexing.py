@@ -447,5 +447,17 @@ def _mode_pad(mode: str):
     return fn
 
 
-lower("reflection_pad1d", "reflection_pad2d", "reflection_pad3d")(_mode_pad("reflect"))
-lower("replication_pad1d", "replication_pad2d", "replication_pad3d")(_mode_pad("edge"))
+def _mode_pad_backward(mode: str):
+    def fn(grad_output, self, padding):
+        cfg = _pad_config(self.ndim, padding)
+        _, vjp = jax.vjp(lambda v: jnp.pad(v, cfg, mode=mode), jnp.zeros(self.shape, grad_output.dtype))
+        return vjp(grad_output)[0]
+
+    return fn
+
+
+for _n in (1, 2, 3):
+    lower(f"reflection_pad{_n}d")(_mode_pad("reflect"))
+    lower(f"replication_pad{_n}d")(_mode_pad("edge"))
+    lower(f"reflection_pad{_n}d_backward")(_mode_pad_backward("reflect"))
+    lower(f"replication_pad{_n}d_backward")(_mode_pad_backward("edge"))

@@ -731,3 +731,70 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
     d = self - target
     g = jnp.clip(d, -delta, delta) * grad_output
     return g / self.size if reduction == _MEAN else g
+
+
+# ---- fused optimizer steps (torch.optim.*(fused=True)) ----
+# One lowering serves the in-place op (`_fused_adam_`, which returns nothing and mutates its lists)
+# and its functional twin (`_fused_adam`, which returns the new lists): for the functional one the
+# meta kernel reports outputs, and the "mutations" are the unchanged inputs.
+def _optimizer_result(new: dict, old: dict, order: tuple[str, ...]):
+    if ctx().out_shapes:  # functional variant
+        return tuple(new[k] for k in order), old
+    return new[order[0]], {k: new[k] for k in order[1:]}
+
+
+def _unscale(grads, grad_scale, maximize):
+    if grad_scale is not None:
+        grads = [g / grad_scale.astype(g.dtype) for g in grads]
+    return grads, [-g if maximize else g for g in grads]
+
+
+def _skip_if_inf(found_inf, new: list, old: list) -> list:
+    if found_inf is None:
+        return new
+    return [jnp.where(found_inf != 0, o, n) for n, o in zip(new, old, strict=True)]
+
+
+def _adam(decoupled: bool):
+    def fn(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2, weight_decay, eps,
+           amsgrad, maximize, grad_scale=None, found_inf=None):
+        stored_grads, grads = _unscale(grads, grad_scale, maximize)
+        params, m1, m2, vmax = [], [], [], []
+        for i, (p, g, m, v, step) in enumerate(zip(self, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
+            lr_ = jnp.asarray(lr, p.dtype)
+            if weight_decay != 0:
+                if decoupled:
+                    p = p * (1 - lr_ * weight_decay)
+                else:
+                    g = g + weight_decay * p
+            m = m + (1 - beta1) * (g - m)
+            v = beta2 * v + (1 - beta2) * g * g
+            step = jnp.asarray(step).astype(p.dtype)
+            bc1 = 1 - jnp.power(beta1, step)
+            bc2_sqrt = jnp.sqrt(1 - jnp.power(beta2, step))
+            if amsgrad:
+                vm = jnp.maximum(max_exp_avg_sqs[i], v)
+                vmax.append(vm)
+                denom = jnp.sqrt(vm) / bc2_sqrt + eps
+            else:
+                denom = jnp.sqrt(v) / bc2_sqrt + eps
+            params.append(p - (lr_ / bc1) * m / denom)
+            m1.append(m)
+            m2.append(v)
+        old = {"self": list(self), "grads": list(grads), "exp_avgs": list(exp_avgs), "exp_avg_sqs": list(exp_avg_sqs),
+               "max_exp_avg_sqs": list(max_exp_avg_sqs)}
+        new = {"self": _skip_if_inf(found_inf, params, old["self"]), "grads": stored_grads,
+               "exp_avgs": _skip_if_inf(found_inf, m1, old["exp_avgs"]),
+               "exp_avg_sqs": _skip_if_inf(found_inf, m2, old["exp_avg_sqs"]),
+               "max_exp_avg_sqs": _skip_if_inf(found_inf, vmax, old["max_exp_avg_sqs"]) if amsgrad else []}
+        return _optimizer_result(new, {k: v for k, v in old.items() if k != "self"},
+                                 ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+
+    return fn
+
+
+_OPT_MUTATES = ("grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+# Only the float-lr overloads: PyTorch has no meta kernel for the tensor_lr ones or for _fused_sgd_,
+# and the eager path needs one (those fall back like any op without a lowering).
+lower("_fused_adam.default", mutates=_OPT_MUTATES)(_adam(decoupled=False))
+lower("_fused_adamw.default", mutates=_OPT_MUTATES)(_adam(decoupled=True))

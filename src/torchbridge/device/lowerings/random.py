@@ -138,14 +138,22 @@ def randperm(n, *args, generator=None, **kwargs):
     return jax.random.permutation(ctx().key(), n).astype(_dtype())
 
 
-@lower("rand", random=True)
+# Factories and *_like ops: eager mode reaches them as empty + an in-place fill, compiled graphs as is.
+@lower("rand", "rand_like", random=True)
 def rand(size, *args, generator=None, **kwargs):
     return _uniform(_shape(), _dtype())
 
 
-@lower("randn", random=True)
+@lower("randn", "randn_like", random=True)
 def randn(size, *args, generator=None, **kwargs):
     return _normal(_shape(), _dtype())
+
+
+@lower("randint_like", random=True)
+def randint_like(self, *args, generator=None, **kwargs):
+    low, high = (0, args[0]) if len(args) == 1 else (args[0], args[1])
+    return jax.random.randint(ctx().key(), _shape(), jnp.asarray(low, jnp.int64), jnp.asarray(high, jnp.int64),
+                              dtype=jnp.int64)
 
 
 @lower("randint", random=True)

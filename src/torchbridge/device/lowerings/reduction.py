@@ -428,3 +428,75 @@ def median(a, dim=None, keepdim=False):
 @lower("nanmedian")
 def nanmedian(a, dim=None, keepdim=False):
     return _median(a, dim, keepdim, ignore_nan=True)
+
+
+# ---- vector/matrix contractions that core.py's mm/bmm/addmm do not cover ----------------------------
+
+def _scaled(x, s):
+    # The scalar is converted to the tensor's dtype first (so 0.6 is 0 for integer tensors).
+    return x if isinstance(s, int) and s == 1 else x * jnp.asarray(s).astype(x.dtype)
+
+
+def _plus(bias, prod, beta, alpha):
+    prod = _scaled(prod.astype(bias.dtype), alpha)
+    if jnp.issubdtype(bias.dtype, jnp.integer):
+        beta = int(beta)
+    if beta == 0:  # beta=0 ignores bias, even nan/inf in it
+        return prod
+    return _scaled(bias, beta) + prod
+
+
+@lower("dot", "vdot")
+def dot(a, b):
+    return jnp.dot(a, b)
+
+
+@lower("mv")
+def mv(a, v):
+    return jnp.matmul(a, v)
+
+
+@lower("addmv", static=("beta",))
+def addmv(bias, a, v, *, beta=1, alpha=1):
+    return _plus(bias.astype(out_dtype()), jnp.matmul(a, v), beta, alpha)
+
+
+@lower("addr", static=("beta",))
+def addr(bias, v1, v2, *, beta=1, alpha=1):
+    dt = out_dtype()
+    prod = jnp.outer(v1.astype(dt), v2.astype(dt))
+    if dt == jnp.bool_:
+        return (bias.astype(jnp.bool_) & (beta != 0)) | (prod & (alpha != 0))
+    return _plus(bias.astype(dt), prod, beta, alpha)
+
+
+@lower("baddbmm", static=("beta",))
+def baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return _plus(bias.astype(out_dtype()), jnp.matmul(a, b), beta, alpha)
+
+
+@lower("addbmm", static=("beta",))
+def addbmm(bias, a, b, *, beta=1, alpha=1):
+    return _plus(bias.astype(out_dtype()), jnp.sum(jnp.matmul(a, b), axis=0), beta, alpha)
+
+
+@lower("mode")
+def mode(a, dim=-1, keepdim=False):
+    """Most frequent value (the smallest on ties) and the index of its last occurrence."""
+    if a.ndim == 0:
+        return a, jnp.zeros((), jnp.int64)
+    ax = dim % a.ndim
+    x = jnp.moveaxis(a, ax, -1)
+    v, i = _sort(x, x.ndim - 1, descending=False)
+    # Count of each element's value in the row; the best is the first (smallest) value with the
+    # highest count.
+    eq = v[..., :, None] == v[..., None, :]
+    counts = jnp.sum(eq, axis=-1)
+    best = jnp.argmax(counts, axis=-1)
+    val = jnp.take_along_axis(v, best[..., None], axis=-1)
+    # Last original index holding that value.
+    idx = jnp.max(jnp.where(x == val, lax.broadcasted_iota(jnp.int64, x.shape, x.ndim - 1), -1), axis=-1)
+    val = val[..., 0]
+    if keepdim:
+        return jnp.expand_dims(val, ax), jnp.expand_dims(idx, ax)
+    return val, idx

@@ -1,0 +1,173 @@
+"""A ~20M-parameter Llama on this CPU: torch eager, inductor, bridge eager, bridge fused eager, bridge compiled.
+
+    python bench/bench_compile.py [--quick] [--write docs/benchmarks/compile.md]
+
+Measures forward latency at batch 1 and 8 (sequence 128) and one training step (forward, backward,
+AdamW) for each arm, in one run, and reports ratios. A second part measures cold start: the time to
+the first compiled forward in a fresh process, twice, with the persistent XLA cache (the second
+process finds the first one's executables on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import torchbridge
+from torchbridge.device import fused
+
+DEV = torchbridge.device_name()
+
+
+def make_model(quick: bool) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=384 if not quick else 128, intermediate_size=1024 if not quick else 256,
+        num_hidden_layers=6 if not quick else 2, num_attention_heads=6 if not quick else 4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        getattr(torch, DEV).synchronize()
+
+
+def timeit(fn, device: str, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e3
+
+
+def arm(name: str, model: torch.nn.Module, device: str, compile_backend: str | None, mode: str, args) -> dict:
+    m = copy.deepcopy(model).to(device)
+    fwd_model = torch.compile(m, backend=compile_backend) if compile_backend else m
+    fused.set_mode(mode)
+    out: dict[str, float] = {}
+    try:
+        for batch in (1, 8):
+            ids = torch.randint(0, 8192, (batch, args.seq)).to(device)
+
+            def fwd(ids=ids):
+                with torch.no_grad():
+                    return fwd_model(input_ids=ids).logits
+
+            out[f"fwd_b{batch}_ms"] = timeit(fwd, device, args.warmup, args.iters)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        ids = torch.randint(0, 8192, (8, args.seq)).to(device)
+
+        def train_step():
+            opt.zero_grad()
+            loss = fwd_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+
+        out["train_step_ms"] = timeit(train_step, device, args.warmup, args.iters)
+    finally:
+        fused.set_mode("eager")
+        torch._dynamo.reset()
+    print(f"{name:24s} " + "  ".join(f"{k}={v:9.1f}" for k, v in out.items()), flush=True)
+    return out
+
+
+_COLD = """
+import time, torch, transformers, torchbridge
+cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size={h}, intermediate_size={i}, num_hidden_layers={l},
+    num_attention_heads={a}, num_key_value_heads=2, max_position_embeddings=512)
+torch.manual_seed(0)
+m = transformers.LlamaForCausalLM(cfg).eval().to("{dev}")
+ids = torch.randint(0, 8192, (1, {seq})).to("{dev}")
+c = torch.compile(m, backend="tpu")
+t = time.perf_counter()
+with torch.no_grad():
+    c(input_ids=ids).logits.cpu()
+print(time.perf_counter() - t)
+"""
+
+
+def cold_start(args) -> tuple[float, float]:
+    size = dict(h=128, i=256, l=2, a=4) if args.quick else dict(h=384, i=1024, l=6, a=6)
+    code = _COLD.format(dev=DEV, seq=args.seq, **size)
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHBRIDGE_COMPILE_CACHE_DIR=cache, TORCHBRIDGE_COMPILE_CACHE_MIN_SECS="0")
+        times = []
+        for _ in range(2):
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            times.append(float(r.stdout.strip().splitlines()[-1]))
+    return times[0], times[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled")
+    ap.add_argument("--write", default=None)
+    args = ap.parse_args(argv)
+    model = make_model(args.quick)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"Llama with {n_params / 1e6:.1f}M parameters, sequence {args.seq}", flush=True)
+    arms = {
+        "cpu": ("torch CPU eager", "cpu", None, "eager"),
+        "inductor": ("torch.compile inductor", "cpu", "inductor", "eager"),
+        "eager": ("bridge eager", DEV, None, "eager"),
+        "fused": ("bridge fused eager", DEV, None, "fused"),
+        "compiled": ("bridge compiled", DEV, "tpu", "eager"),
+    }
+    results = {}
+    for key in args.arms.split(","):
+        name, device, backend, mode = arms[key]
+        try:
+            results[key] = arm(name, model, device, backend, mode, args)
+        except Exception as e:  # noqa: BLE001 - report the arm as failed, keep measuring the others
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    cold = cold_start(args) if "compiled" in results else None
+    metrics = ["fwd_b1_ms", "fwd_b8_ms", "train_step_ms"]
+    lines = ["| arm | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    for key, res in results.items():
+        lines.append(f"| {arms[key][0]} | " + " | ".join(f"{res.get(m, float('nan')):.1f}" for m in metrics) + " |")
+    ratios = []
+    for a, b, label in (("compiled", "inductor", "bridge compiled vs inductor (speedup, >=1.0 is the target)"),
+                        ("eager", "fused", "fused eager vs plain bridge eager (speedup, >=3.0 is the target)")):
+        if a in results and b in results:
+            num, den = (results[b], results[a]) if a == "compiled" else (results[a], results[b])
+            ratios.append(f"| {label} | " + " | ".join(f"{num[m] / den[m]:.2f}x" for m in metrics) + " |")
+    table = "\n".join(lines + ["", "| ratio | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)] + ratios)
+    print(table)
+    if cold:
+        print(f"cold start, first compiled forward: first process {cold[0]:.1f} s, second process {cold[1]:.1f} s")
+    if args.write:
+        text = (f"# Compiled and fused modes on a {n_params / 1e6:.1f}M-parameter Llama (this CPU)\n\n"
+                f"Command: `python bench/bench_compile.py {' '.join(argv or sys.argv[1:])}`\n\n"
+                f"Milliseconds, median of {args.iters} after {args.warmup} warm-up runs; sequence {args.seq}.\n\n{table}\n")
+        if cold:
+            text += (f"\nCold start (time to the first compiled forward in a fresh process, persistent XLA cache):"
+                     f" first process {cold[0]:.1f} s, second process {cold[1]:.1f} s ({cold[0] / cold[1]:.1f}x).\n")
+        Path(args.write).write_text(text)
+        Path(args.write).with_suffix(".json").write_text(json.dumps({"results": results, "cold_start": cold}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
