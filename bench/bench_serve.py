@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -167,7 +166,9 @@ async def _online_client(base: str, requests: list[list[int]], output_len: int, 
     return results
 
 
-def run_ours_online(model_dir: Path, requests: list[list[int]], output_len: int, concurrency: int) -> tuple[float, list[dict]]:
+def run_ours_online(
+    model_dir: Path, requests: list[list[int]], output_len: int, concurrency: int, threads: int
+) -> tuple[float, list[dict]]:
     import httpx
 
     port = free_port()
@@ -175,7 +176,7 @@ def run_ours_online(model_dir: Path, requests: list[list[int]], output_len: int,
     cmd = [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--served-model-name", "bench",
            "--max-num-seqs", str(concurrency), "--max-model-len", "1024", "--no-enable-prefix-caching",
            "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=thread_env(threads))
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -214,9 +215,14 @@ def notes(results: dict, ours_tps: float, n_out: int) -> str:
         "- Ours ran with prefix caching off (random prompts share nothing), fp32, block size 16, 1024-token step\n"
         "  budget. HF ran fp32 with its default (sdpa) attention and DynamicCache.\n"
         "- The machine is a shared 2-core VM with other jobs running: absolute numbers are noisy; the ratios come\n"
-        "  from one run. Each measured workload runs in its own fresh process, in a worker thread (see `worker`):\n"
-        "  on this VM torch work in a main thread ran several times slower than in a second thread."
+        "  from one run. Each measured workload runs in its own fresh process with the same torch thread count\n"
+        "  (`--threads`, default 1): with 2 OpenMP threads on the oversubscribed machine, every parallel op waits\n"
+        "  for a descheduled thread, which made both engines several times slower and the numbers erratic."
     )
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def in_subprocess(kind: str, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -224,28 +230,21 @@ def in_subprocess(kind: str, model_dir: Path, args: argparse.Namespace) -> dict:
     engine inherits the parent's heap and threads."""
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", str(model_dir),
            "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-           "--input-len", *map(str, args.input_len), "--output-len", str(args.output_len)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+           "--input-len", *map(str, args.input_len), "--output-len", str(args.output_len), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=thread_env(args.threads))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
     reqs = make_requests(args.num_requests, *args.input_len)
+    torch.set_num_threads(args.threads)
     result: dict = {}
-
-    def work() -> None:
-        if kind == "ours":
-            result["seconds"] = run_ours_offline(model_dir, reqs, args.output_len, args.concurrency)
-        else:
-            batch = args.concurrency if kind == "hf-batched" else 1
-            t, per = run_hf(model_dir, reqs, args.output_len, batch)
-            result.update(seconds=t, online=summarize(per))
-
-    # In a worker thread, like the server's engine loop: on this VM, torch work in a process's main
-    # thread was measured to run several times slower than in a second thread (cause not pinned down).
-    th = threading.Thread(target=work)
-    th.start()
-    th.join()
+    if kind == "ours":
+        result["seconds"] = run_ours_offline(model_dir, reqs, args.output_len, args.concurrency)
+    else:
+        batch = args.concurrency if kind == "hf-batched" else 1
+        t, per = run_hf(model_dir, reqs, args.output_len, batch)
+        result.update(seconds=t, online=summarize(per))
     print(json.dumps(result))
     return 0
 
@@ -258,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of every engine (1: the shared machine is oversubscribed, and 2-thread "
+                         "OpenMP steps stall there whenever the other thread is descheduled)")
     ap.add_argument("--no-hf-sequential", action="store_true", help="skip the slow one-request-at-a-time baseline")
     ap.add_argument("--write", type=Path, default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         results["ours"] = in_subprocess("ours", model_dir, args)
         print(f"ours offline: {n_out / results['ours']['seconds']:.1f} tok/s", flush=True)
-        t, online = run_ours_online(model_dir, reqs, args.output_len, args.concurrency)
+        t, online = run_ours_online(model_dir, reqs, args.output_len, args.concurrency, args.threads)
         results["ours"]["online"] = summarize(online)
         results["ours"]["online_seconds"] = t
         print(f"ours online: {json.dumps(results['ours']['online'])}", flush=True)
@@ -298,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     if args.write:
         cmd = "python bench/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        env = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-               f"torch threads {torch.get_num_threads()}")
+        env = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
+               f"torch {torch.__version__}, {args.threads} torch thread(s) per engine")
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(
             f"# Engine benchmark\n\nCommand: `{cmd.strip()}`\n\nMachine: {env}. "

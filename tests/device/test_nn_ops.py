@@ -165,7 +165,9 @@ def test_scaled_dot_product_attention():
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1, fused=True),
     lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, fused=True),
-], ids=["adam", "adamw_amsgrad"])
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
+], ids=["adam", "adamw_amsgrad", "adam_tensor_lr", "sgd_nesterov"])
 def test_fused_optimizer_steps_match_cpu(make):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]

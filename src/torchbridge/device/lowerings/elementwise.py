@@ -627,3 +627,85 @@ def softshrink_backward(grad, a, lambd):
     g, x = _both(grad, a)
     return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros_like(g), g)
 
+
+
+# ---- more special functions ---------------------------------------------------------------------
+
+@lower("frexp")
+def frexp(a):
+    m, e = jnp.frexp(a)
+    return m, e.astype(jnp.int32)
+
+
+@lower("gcd")
+def gcd(a, b):
+    a, b = _both(a, b)
+    return jnp.gcd(a, b)
+
+
+@lower("igamma")
+def igamma(a, x):
+    a, x = _both(a, x)
+    return lax.igamma(a, x)
+
+
+@lower("igammac")
+def igammac(a, x):
+    a, x = _both(a, x)
+    return lax.igammac(a, x)
+
+
+@lower("special_zeta")
+def zeta(x, q):
+    x, q = _both(x, q)
+    return jsp.zeta(x, q)
+
+
+@lower("special_entr")
+def entr(a):
+    x = _f(a)
+    res = jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)), jnp.where(x == 0, 0, -jnp.inf))
+    return jnp.where(jnp.isnan(x), x, res).astype(x.dtype)
+
+
+def _poly(name: str, shift: bool, first, step):
+    """Orthogonal polynomials by their three-term recurrence, p_{k+1} = step(k, x, p_k, p_{k-1}),
+    run to the largest degree in `n` (negative degrees give 0, as in PyTorch)."""
+
+    def impl(x, n):
+        dt = out_dtype()
+        x, n = jnp.asarray(x).astype(dt), jnp.asarray(n).astype(dt)
+        if shift:
+            x = 2 * x - 1
+        x, n = jnp.broadcast_arrays(x, n)
+        p0, p1 = jnp.ones_like(x), first(x)
+        top = jnp.max(n, initial=0)
+
+        def body(state):
+            k, prev, cur, out = state
+            nxt = step(k, x, cur, prev)
+            out = jnp.where(n == k + 1, nxt, out)
+            return k + 1, cur, nxt, out
+
+        out = jnp.where(n == 0, p0, jnp.where(n == 1, p1, jnp.zeros_like(x)))
+        _, _, _, out = lax.while_loop(lambda st: st[0] + 1 <= top, body, (jnp.ones((), dt), p0, p1, out))
+        return jnp.where(n < 0, jnp.zeros_like(out), out)
+
+    lower(name)(impl)
+
+
+_cheb = lambda k, x, cur, prev: 2 * x * cur - prev  # noqa: E731
+_poly("special_chebyshev_polynomial_t", False, lambda x: x, _cheb)
+_poly("special_chebyshev_polynomial_u", False, lambda x: 2 * x, _cheb)
+_poly("special_chebyshev_polynomial_v", False, lambda x: 2 * x - 1, _cheb)
+_poly("special_chebyshev_polynomial_w", False, lambda x: 2 * x + 1, _cheb)
+_poly("special_shifted_chebyshev_polynomial_t", True, lambda x: x, _cheb)
+_poly("special_shifted_chebyshev_polynomial_u", True, lambda x: 2 * x, _cheb)
+_poly("special_shifted_chebyshev_polynomial_v", True, lambda x: 2 * x - 1, _cheb)
+_poly("special_shifted_chebyshev_polynomial_w", True, lambda x: 2 * x + 1, _cheb)
+_poly("special_hermite_polynomial_h", False, lambda x: 2 * x, lambda k, x, cur, prev: 2 * x * cur - 2 * k * prev)
+_poly("special_hermite_polynomial_he", False, lambda x: x, lambda k, x, cur, prev: x * cur - k * prev)
+_poly("special_laguerre_polynomial_l", False, lambda x: 1 - x,
+      lambda k, x, cur, prev: ((2 * k + 1 - x) * cur - k * prev) / (k + 1))
+_poly("special_legendre_polynomial_p", False, lambda x: x,
+      lambda k, x, cur, prev: ((2 * k + 1) * x * cur - k * prev) / (k + 1))

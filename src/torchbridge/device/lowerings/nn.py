@@ -794,7 +794,25 @@ def _adam(decoupled: bool):
 
 
 _OPT_MUTATES = ("grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
-# Only the float-lr overloads: PyTorch has no meta kernel for the tensor_lr ones or for _fused_sgd_,
-# and the eager path needs one (those fall back like any op without a lowering).
-lower("_fused_adam.default", mutates=_OPT_MUTATES)(_adam(decoupled=False))
-lower("_fused_adamw.default", mutates=_OPT_MUTATES)(_adam(decoupled=True))
+lower("_fused_adam", mutates=_OPT_MUTATES)(_adam(decoupled=False))
+lower("_fused_adamw", mutates=_OPT_MUTATES)(_adam(decoupled=True))
+
+
+@lower("_fused_sgd", mutates=("grads", "momentum_buffer_list"))
+def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
+              is_first_step, grad_scale=None, found_inf=None):
+    stored_grads, grads = _unscale(grads, grad_scale, maximize)
+    params, bufs = [], []
+    for i, (p, g) in enumerate(zip(self, grads, strict=True)):
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        if momentum != 0:
+            buf = g if is_first_step else momentum * momentum_buffer_list[i] + (1 - dampening) * g
+            bufs.append(buf)
+            g = g + momentum * buf if nesterov else buf
+        params.append(p - jnp.asarray(lr, p.dtype) * g)
+    old = {"self": list(self), "grads": list(grads), "momentum_buffer_list": list(momentum_buffer_list)}
+    new = {"self": _skip_if_inf(found_inf, params, old["self"]), "grads": stored_grads,
+           "momentum_buffer_list": _skip_if_inf(found_inf, bufs, old["momentum_buffer_list"]) if momentum != 0 else []}
+    return _optimizer_result(new, {k: v for k, v in old.items() if k != "self"},
+                             ("self", "grads", "momentum_buffer_list"))
