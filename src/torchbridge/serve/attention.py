@@ -62,18 +62,21 @@ def paged_attention(
     """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D]."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    # index_copy_/index_select rather than advanced indexing: same result, markedly cheaper on cpu.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
         batch, max_q = g.query_index.shape
-        qg = q[g.query_index].transpose(1, 2)  # [B, H, T, D]
-        kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-        vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+        qg = q.index_select(0, g.query_index.flatten()).view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+        kv_shape = (batch, -1, num_kv_heads, head_dim)
+        blocks = g.block_tables.flatten()
+        kg = k_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)  # [B, KVH, L, D]
+        vg = v_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)
         if num_kv_heads != num_heads:
             kg = kg.repeat_interleave(num_heads // num_kv_heads, dim=1)
             vg = vg.repeat_interleave(num_heads // num_kv_heads, dim=1)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
         o = o.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
-        out.index_copy_(0, g.out_tokens, o[g.out_cells])
+        out.index_copy_(0, g.out_tokens, o.index_select(0, g.out_cells))
     return out[:n]

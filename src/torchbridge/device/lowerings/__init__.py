@@ -6,6 +6,7 @@ from torchbridge.device.lowerings import (
     elementwise,  # noqa: F401
     extra,  # noqa: F401
     indexing,  # noqa: F401
+    linalg,  # noqa: F401
     nn,  # noqa: F401
     prims,  # noqa: F401
     random,  # noqa: F401

@@ -645,13 +645,13 @@ def gcd(a, b):
 
 @lower("igamma")
 def igamma(a, x):
-    a, x = _both(a, x)
+    a, x = jnp.broadcast_arrays(*_both(a, x))
     return lax.igamma(a, x)
 
 
 @lower("igammac")
 def igammac(a, x):
-    a, x = _both(a, x)
+    a, x = jnp.broadcast_arrays(*_both(a, x))
     return lax.igammac(a, x)
 
 
@@ -674,7 +674,8 @@ def _poly(name: str, shift: bool, first, step):
 
     def impl(x, n):
         dt = out_dtype()
-        x, n = jnp.asarray(x).astype(dt), jnp.asarray(n).astype(dt)
+        # PyTorch truncates a floating degree to an integer.
+        x, n = jnp.asarray(x).astype(dt), jnp.trunc(jnp.asarray(n)).astype(dt)
         if shift:
             x = 2 * x - 1
         x, n = jnp.broadcast_arrays(x, n)
@@ -709,3 +710,20 @@ _poly("special_laguerre_polynomial_l", False, lambda x: 1 - x,
       lambda k, x, cur, prev: ((2 * k + 1 - x) * cur - k * prev) / (k + 1))
 _poly("special_legendre_polynomial_p", False, lambda x: x,
       lambda k, x, cur, prev: ((2 * k + 1) * x * cur - k * prev) / (k + 1))
+
+
+# Autograd's gradient for ops like sgn is a "zero tensor"; here it is plain zeros.
+@lower("_efficientzerotensor")
+def efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(ctx().out_shapes[0], out_dtype())
+
+
+_unary("special_modified_bessel_i0", lambda x: lax.bessel_i0e(x) * jnp.exp(jnp.abs(x)))
+_unary("special_modified_bessel_i1", lambda x: lax.bessel_i1e(x) * jnp.exp(jnp.abs(x)))
+
+
+@lower("special_spherical_bessel_j0")
+def spherical_bessel_j0(a):
+    x = _f(a)
+    safe = jnp.where(x == 0, jnp.ones_like(x), x)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)

@@ -4,8 +4,7 @@ Mixture-of-experts layers in transformers pick a device-specific path for `tpu`:
 expert ids and `torch._grouped_mm` (float32 included). PyTorch's meta kernel for `_grouped_mm` only
 accepts bfloat16 (it mirrors the CUDA kernel's checks), so that op cannot go through the cached
 dispatch, which asks the meta kernel for output shapes; it gets its own PrivateUse1 kernel that
-works on the device values directly. `_fused_sgd_` (SGD(fused=True)) has no meta kernel either; its
-kernel below is written with device tensor ops, each of which goes through the lowering table.
+works on the device values directly.
 """
 
 from __future__ import annotations
@@ -72,29 +71,5 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = No
     return ops.from_array(res.astype(dtypes.to_jax(dtype)), dtype, a.device)
 
 
-def _fused_sgd_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *,
-                weight_decay: float, momentum: float, lr: float | torch.Tensor, dampening: float, nesterov: bool,
-                maximize: bool, is_first_step: bool, grad_scale: torch.Tensor | None = None,
-                found_inf: torch.Tensor | None = None) -> None:
-    # The same update as PyTorch's fused CPU/CUDA kernels: grads are unscaled in place, and a step
-    # with found_inf set leaves params and buffers untouched (computed branch-free, no host sync).
-    keep = None if found_inf is None else (found_inf == 0).to(params[0].dtype) if params else None
-    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-        if grad_scale is not None:
-            g.div_(grad_scale)
-        d = -g if maximize else g
-        if weight_decay != 0:
-            d = d + weight_decay * p
-        if momentum != 0:
-            buf = momentum_buffers[i]
-            new_buf = d.clone() if is_first_step else buf * momentum + (1 - dampening) * d
-            buf.copy_(new_buf if keep is None else torch.where(keep.bool(), new_buf, buf))
-            d = d + momentum * new_buf if nesterov else new_buf
-        step = d * lr
-        p.sub_(step if keep is None else step * keep)
-
-
 _library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kept alive for the process
 _library.impl("_grouped_mm", _grouped_mm, "PrivateUse1")
-_library.impl("_fused_sgd_", _fused_sgd_, "PrivateUse1")
-_library.impl("_fused_sgd_.tensor_lr", _fused_sgd_, "PrivateUse1")

@@ -272,6 +272,15 @@ _unique2.dynamic_shape = True
 lower("_unique2")(_unique2)
 
 
+def _unique(self, sorted=True, return_inverse=False):  # noqa: A002 - ATen's name
+    values, inverse, _ = _unique2(self, sorted, return_inverse)
+    return values, inverse
+
+
+_unique.dynamic_shape = True
+lower("_unique")(_unique)
+
+
 def _unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):  # noqa: A002 - ATen's name
     values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1).astype(jnp.int64) if return_inverse else jnp.zeros((0,), jnp.int64)
