@@ -203,6 +203,12 @@ def test_embedding_forward_backward():
     check(run, w, ids)
     check(lambda w, i: run(w, i, padding_idx=2, scale_grad_by_freq=True), w, ids)
 
+    def renorm(w, ids):
+        out = F.embedding(ids, w, max_norm=1.5)  # renormalizes the looked-up rows of w in place
+        return out, w
+
+    check(renorm, w * 3, ids)
+
 
 def test_cat_stack_pad(x):
     y = torch.randn(2, 6)

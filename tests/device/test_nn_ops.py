@@ -84,6 +84,12 @@ def test_max_pool_ties_pick_first():
     torch.testing.assert_close([g.cpu() for g in got], list(want))
 
 
+def test_unfold_fold():
+    x = torch.randn(2, 3, 7, 6)
+    fwd_bwd(lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)), x)
+    fwd_bwd(lambda c: F.fold(c, (5, 9), (2, 2), padding=(0, 1), stride=(1, 2), dilation=(2, 1)), torch.randn(2, 12, 15))
+
+
 def test_layer_and_group_norm():
     x = torch.randn(3, 4, 6)
     fwd_bwd(lambda x, w, b: F.layer_norm(x, (6,), w, b, eps=1e-5), x, torch.randn(6), torch.randn(6))

@@ -36,7 +36,7 @@ def server(llama_dir: Path):  # noqa: ANN201 - yields (base_url, async engine)
     from torchbridge.serve.engine import LLMEngine
     from torchbridge.serve.server import create_app
 
-    cfg = EngineConfig(model=str(llama_dir), block_size=4, num_blocks=256, max_model_len=128,
+    cfg = EngineConfig(model=str(llama_dir), block_size=4, num_blocks=256, max_model_len=512,
                        served_model_name="tiny-llama", speculative_ngram=2)
     engine = AsyncEngine(LLMEngine(cfg))
     engine.start()

@@ -57,7 +57,7 @@ def test_completion_with_several_prompts(client: openai.OpenAI, llama_dir: Path)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == [hf_text(llama_dir, hf_greedy(llama_dir, p, 6)) for p in prompts]
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=[[5, 6], list(range(3, 300))], max_tokens=2)
+        client.completions.create(model=MODEL, prompt=[[5, 6], [7] * 600], max_tokens=2)
 
 
 def test_completion_streaming_with_usage(client: openai.OpenAI, llama_dir: Path) -> None:
@@ -151,7 +151,7 @@ def test_bad_requests(client: openai.OpenAI, server: tuple) -> None:
         client.chat.completions.create(model=MODEL, messages=[])
     assert _error_of(e.value)["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=list(range(3, 200)))  # longer than max_model_len 128
+        client.completions.create(model=MODEL, prompt=[5] * 600)  # longer than max_model_len 512
     assert "context length" in _error_of(e.value)["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="")
@@ -204,7 +204,8 @@ def test_client_disconnect_aborts_request(server: tuple) -> None:
     base, engine = server
     headers = {"Authorization": f"Bearer {API_KEY}"}
     finished_before = engine.engine.stats.finished_requests
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "stream": True, "ignore_eos": True}
+    # 500 tokens take far longer than noticing a closed connection, so finishing first is not a race.
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):

@@ -276,7 +276,7 @@ def _wrap_numbers(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     names = [a.name for a in op._schema.arguments]
 
     def wrap(v: Any) -> Any:
-        return torch.tensor(v) if type(v) in (int, float, bool) else v
+        return torch.tensor(v, device="meta") if type(v) in (int, float, bool) else v
 
     args = tuple(wrap(v) if i < len(names) and names[i] in tensor_args else v for i, v in enumerate(args))
     return args, {k: wrap(v) if k in tensor_args else v for k, v in kwargs.items()}

@@ -1,8 +1,8 @@
 """Indexing, scatter/gather, masking, concatenation, padding and reordering ops.
 
-Indices arrive as JAX arrays; PyTorch has already turned boolean masks into integer indices (through
-`nonzero`) before `index`/`index_put` reach the device, and checked bounds in its meta kernels where
-it can. Ops whose output shape depends on values (nonzero, masked_select, unique) are marked
+Indices arrive as JAX arrays. Boolean masks never reach `index`/`index_put` here: eager mode turns
+them into integer indices first (ops._index_masks, like CPU's expandTensors), so programs keep static
+shapes. Ops whose output shape depends on values (nonzero, masked_select, unique) are marked
 `dynamic_shape` and run on concrete arrays.
 """
 
@@ -338,6 +338,15 @@ def bucketize(self, boundaries, *, out_int32=False, right=False):
 @lower("embedding")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
+
+
+@lower("embedding_renorm")
+def embedding_renorm(self, indices, max_norm, norm_type):
+    # Rows looked up by `indices` whose norm exceeds max_norm are scaled down (the 1e-7 is PyTorch's).
+    used = jnp.zeros(self.shape[0], jnp.bool_).at[jnp.asarray(indices).reshape(-1)].set(True)
+    norms = jnp.linalg.norm(self.astype(jnp.promote_types(self.dtype, jnp.float32)), ord=norm_type, axis=1)
+    scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return self * scale[:, None].astype(self.dtype)
 
 
 @lower("embedding_dense_backward")

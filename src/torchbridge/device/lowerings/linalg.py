@@ -172,7 +172,8 @@ def qr(a, mode="reduced"):
 @lower("_linalg_eigh")
 def eigh(a, UPLO="L", compute_v=True):  # noqa: N803 - the schema's name
     a = a.astype(_dt())
-    w, v = jnp.linalg.eigh(a, UPLO=UPLO)
+    # LAPACK reads only the UPLO triangle; JAX would symmetrize the whole matrix by default.
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
     return w, (v if compute_v else jnp.zeros((0,), a.dtype))
 
 
@@ -184,3 +185,43 @@ def svd(a, full_matrices=False, compute_uv=True, *, driver=None):
         return jnp.zeros((0,), a.dtype), s, jnp.zeros((0,), a.dtype)
     u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
     return u, s, vh
+
+
+# ---- FFT: ATen's three primitives; `normalization` is 0 (none), 1 (1/sqrt(n)) or 2 (1/n) -----------
+
+def _fft_scale(y, n: int, normalization: int):
+    if normalization == 1:
+        return y / jnp.sqrt(jnp.asarray(n, y.real.dtype)).astype(y.dtype)
+    if normalization == 2:
+        return y / jnp.asarray(n, y.dtype)
+    return y
+
+
+def _prod(shape, dims) -> int:
+    out = 1
+    for d in dims:
+        out *= shape[d]
+    return out
+
+
+@lower("_fft_c2c")
+def fft_c2c(a, dim, normalization, forward):
+    dims = [d % a.ndim for d in dim]
+    # Unnormalized both ways ("forward" scaling applied to the other direction), scaled below.
+    y = jnp.fft.fftn(a, axes=dims) if forward else jnp.fft.ifftn(a, axes=dims, norm="forward")
+    return _fft_scale(y, _prod(a.shape, dims), normalization).astype(_dt())
+
+
+@lower("_fft_r2c")
+def fft_r2c(a, dim, normalization, onesided):
+    dims = [d % a.ndim for d in dim]
+    y = jnp.fft.rfftn(a, axes=dims) if onesided else jnp.fft.fftn(a.astype(_dt()), axes=dims)
+    return _fft_scale(y, _prod(a.shape, dims), normalization).astype(_dt())
+
+
+@lower("_fft_c2r")
+def fft_c2r(a, dim, normalization, last_dim_size):
+    dims = [d % a.ndim for d in dim]
+    sizes = [a.shape[d] for d in dims[:-1]] + [last_dim_size]
+    y = jnp.fft.irfftn(a, s=sizes, axes=dims, norm="forward")
+    return _fft_scale(y, _prod(ctx().out_shapes[0], dims), normalization).astype(_dt())

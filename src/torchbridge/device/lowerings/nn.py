@@ -326,6 +326,37 @@ def adaptive_avg_pool3d_backward(grad_output, self):
     return _adaptive_avg_backward(3, grad_output, self)
 
 
+def _im2col(x, kernel_size, dilation, padding, stride):
+    """(N, C, H, W) -> (N, C*kh*kw, L) sliding blocks, channel-major like F.unfold (an exact gather)."""
+    k, s, p, d = _pool_args(2, kernel_size, stride, padding, dilation)
+    unbatched = x.ndim == 3
+    x = x[None] if unbatched else x
+    xp = jnp.pad(x, [(0, 0), (0, 0)] + [(pp, pp) for pp in p])
+    outs = [(xp.shape[2 + i] - (d[i] * (k[i] - 1) + 1)) // s[i] + 1 for i in range(2)]
+    hpos = _window_positions(outs[0], k[0], s[0], 0, d[0])  # (oh, kh) in padded coordinates
+    wpos = _window_positions(outs[1], k[1], s[1], 0, d[1])
+    patches = xp[:, :, hpos[:, None, :, None], wpos[None, :, None, :]]  # (N, C, oh, ow, kh, kw)
+    n, c = x.shape[:2]
+    cols = patches.transpose(0, 1, 4, 5, 2, 3).reshape(n, c * k[0] * k[1], outs[0] * outs[1])
+    return cols[0] if unbatched else cols
+
+
+@lower("im2col")
+def im2col(self, kernel_size, dilation, padding, stride):
+    return _im2col(self, kernel_size, dilation, padding, stride)
+
+
+@lower("col2im")
+def col2im(self, output_size, kernel_size, dilation, padding, stride):
+    # fold is the transpose of unfold: overlapping blocks add up.
+    k = _per_dim(kernel_size, 2)
+    lead = self.shape[:-2]
+    channels = self.shape[-2] // (k[0] * k[1])
+    zeros = jnp.zeros(lead + (channels,) + tuple(_per_dim(output_size, 2)), self.dtype)
+    _, vjp = jax.vjp(lambda v: _im2col(v, kernel_size, dilation, padding, stride), zeros)
+    return vjp(self)[0]
+
+
 # ---- normalization ----
 def _bshape(v, ndim: int, axis: int = 1):
     """A per-channel vector shaped to broadcast against an `ndim` tensor along `axis`."""
