@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from hf_families import FAMILIES, inputs, pair, to
 from transformers import CompileConfig
 
 import torchbridge
+from hf_families import FAMILIES, inputs, pair, to
 
 DEV = torchbridge.device_name()
 ATOL = 1e-4

@@ -43,6 +43,10 @@ CASES: list[tuple[str, str]] = [
     ("sort", "f32"), ("topk", "f32"), ("kthvalue", "f32"), ("median", "f32"),
     # matmul
     ("mm", "f32"), ("mm", "bwd"), ("bmm", "f32"), ("matmul", "f32"), ("addmm", "f32"),
+    ("mv", "f32"), ("baddbmm", "i64"),
+    # linear algebra, fft
+    ("linalg.solve", "f32"), ("linalg.inv", "bwd"), ("cholesky", "f32"), ("linalg.det", "f32"),
+    ("fft.rfft", "f32"), ("fft.irfft", "f32"),
     # indexing
     ("index_select", "f32"), ("gather", "f32"), ("masked_fill", "f32"), ("take", "i64"),
     ("__getitem__", "f32"),
