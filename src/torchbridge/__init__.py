@@ -38,4 +38,22 @@ def set_eager_mode(mode: str) -> None:
     fused.set_mode(mode)
 
 
-__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback", "set_eager_mode"]
+def set_matmul_precision(precision: str) -> None:
+    """float32 matmul/conv precision on the device, like TorchTPU's switch.
+
+    "default": the platform's fastest (on TPU, bfloat16 passes; on CPU and GPU, full float32);
+    "high": three bfloat16 passes on TPU; "highest": full float32 everywhere. Programs compiled before
+    the switch are dropped so the next call recompiles at the new precision.
+    """
+    import jax
+
+    from torchbridge.device import dispatch
+
+    if precision not in ("default", "high", "highest"):
+        raise ValueError(f"torchbridge: precision must be 'default', 'high' or 'highest', not {precision!r}")
+    jax.config.update("jax_default_matmul_precision", None if precision == "default" else precision)
+    dispatch.clear_cache()
+
+
+__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback", "set_eager_mode",
+           "set_matmul_precision"]

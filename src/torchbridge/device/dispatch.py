@@ -518,4 +518,8 @@ def cache_info() -> dict[str, Any]:
 
 
 def clear_cache() -> None:
+    """Drop every compiled eager program (and the fused sequences built from them)."""
+    STATE.table.flush()
     _programs.clear()
+    # Fused programs are keyed by id() of per-op programs; ids of dropped programs may be reused.
+    fused.RECORDER.cache.clear()
