@@ -67,13 +67,3 @@ def router() -> Iterator[Callable[..., Any]]:
     for s in started:
         s.stop()
 
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll until cond() holds (a bounded loop for background state; not a timing assertion)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)

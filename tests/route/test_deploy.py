@@ -71,7 +71,7 @@ def test_dns_discovery_adds_replicas(fake_replicas, router) -> None:
     (f,) = fake_replicas(1)
     port = int(f.url.rsplit(":", 1)[1])
     url, r = router([], discovery={"dns": "localhost", "port": port, "interval_s": 0.2})
-    from conftest import wait_for
+    from route_support import wait_for
 
     wait_for(lambda: any(n.startswith("dns:127.0.0.1:") for n in r.pool.replicas), what="discovered replica")
     resp = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})

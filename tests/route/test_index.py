@@ -1,20 +1,8 @@
 from __future__ import annotations
 
-import struct
-
-import xxhash
+from route_support import reference_chain
 
 from torchbridge.route.index import BlockIndex, block_hashes
-
-
-def reference_chain(tokens: list[int], bs: int) -> list[int]:
-    """Independent restatement of the documented scheme: h_i = xxh64(le64(h_{i-1}) || le32 tokens)."""
-    out, parent = [], 0
-    for i in range(len(tokens) // bs):
-        blob = struct.pack("<Q", parent) + struct.pack(f"<{bs}i", *tokens[i * bs:(i + 1) * bs])
-        parent = xxhash.xxh64(blob).intdigest()
-        out.append(parent)
-    return out
 
 
 def test_chain_matches_reference_and_drops_partial_block() -> None:

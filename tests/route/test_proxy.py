@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_index import reference_chain
+from route_support import reference_chain, wait_for
 
-from conftest import wait_for
 from torchbridge.route.proxy import REPLICA_HEADER
 
 BODY = {"model": "fake-model", "prompt": "def fib(n):\n    " * 20, "max_tokens": 6}
@@ -182,7 +181,9 @@ def test_runtime_add_and_remove(fake_replicas, router) -> None:
 
 
 def test_reload_from_config_file(fake_replicas, tmp_path) -> None:
-    from conftest import ServerThread, free_port
+    from fake_replica import ServerThread
+
+    from torchbridge.route.cli import free_port
     from torchbridge.route.config import load_config
     from torchbridge.route.proxy import create_app
 

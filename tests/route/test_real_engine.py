@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from route_support import wait_for
 
-from conftest import wait_for
 from torchbridge.route.cli import _stop, _wait_healthy, free_port
 from torchbridge.route.tokenize import HFTokenizer
 

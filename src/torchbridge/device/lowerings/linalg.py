@@ -154,7 +154,11 @@ def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
 
 @lower("linalg_matrix_exp")
 def matrix_exp(a):
-    return jsl.expm(a.astype(_dt()))
+    # Scaling and squaring amplifies float32 rounding; computing in double keeps the result within
+    # float32 tolerance of the exact exponential.
+    dt = _dt()
+    wide = jnp.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else jnp.float64
+    return jsl.expm(a.astype(wide)).astype(dt)
 
 
 # Factorizations below are unique only up to signs (phases) of the vectors, so results that depend
