@@ -39,10 +39,6 @@ def _both(a, b, dt=None):
     return jnp.asarray(a).astype(dt), jnp.asarray(b).astype(dt)
 
 
-def _common(a, b):
-    return jnp.result_type(jnp.asarray(a), jnp.asarray(b))
-
-
 # ---- unary float functions --------------------------------------------------------------------
 
 def _unary(name: str, fn) -> None:
@@ -58,7 +54,7 @@ for _name, _fn in {
     "special_i0e": lax.bessel_i0e, "special_i1e": lax.bessel_i1e,
     "special_i1": lambda x: lax.bessel_i1e(x) * jnp.exp(jnp.abs(x)),
     "special_ndtri": jsp.ndtri, "special_ndtr": jsp.ndtr,
-    "special_erfcx": jsp.erfcx if hasattr(jsp, "erfcx") else (lambda x: jnp.exp(x * x) * lax.erfc(x)),
+    "special_erfcx": jsp.erfcx,
     "special_log_ndtr": jsp.log_ndtr,
     "deg2rad": lambda x: x * jnp.asarray(jnp.pi / 180, x.dtype),
     "rad2deg": lambda x: x * jnp.asarray(180 / jnp.pi, x.dtype),

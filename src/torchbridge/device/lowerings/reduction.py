@@ -33,10 +33,6 @@ def _axes(dim, ndim):
     return tuple(d % ndim for d in dim)
 
 
-def _axis(dim, ndim) -> int | None:
-    return None if ndim == 0 else dim % ndim
-
-
 # ---- simple reductions ------------------------------------------------------------------------
 
 @lower("prod")
