@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TORCHBRIDGE_NO_DEVICE", "1")  # the router never needs the device backend
-
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -38,7 +38,12 @@ class EngineProcess:
         template = cmd or ENGINE_CMD + (" --model {model}" if model else "")
         argv = template.format(python=sys.executable, device=device, host=host, port=port, model=model).split()
         argv += extra_args or []
-        self.proc = subprocess.Popen(argv, env={**os.environ, "TORCHBRIDGE_NO_DEVICE": "1"})
+        env = dict(os.environ)
+        if device in ("cpu", "cuda"):  # these engines never need the bridge: skip loading it
+            env["TORCHBRIDGE_NO_DEVICE"] = "1"
+        else:
+            env.pop("TORCHBRIDGE_NO_DEVICE", None)
+        self.proc = subprocess.Popen(argv, env=env)
         node_ip = "127.0.0.1"
         try:
             import ray
