@@ -18,14 +18,14 @@ run: $(STAMP)
 	$(PY) -m torchbridge run
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench scripts
 	$(PY) -m pytest -q -ra tests
 
 test-all: $(STAMP)
 	TB_SLOW=1 $(PY) -m pytest -q -ra tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench scripts
 
 conformance: $(STAMP)
 	$(PY) -m torchbridge.device.conformance --all --write docs/ops.md
