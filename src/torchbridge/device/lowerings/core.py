@@ -282,7 +282,8 @@ def addmm(bias, a, b, beta=1, alpha=1):
 
 
 # ---- reductions ----
-def _dims(dim, ndim):
+def reduction_axes(dim, ndim):
+    """Normalized reduction axes; None means all. A 0-dim tensor takes dim 0/-1 and reduces nothing."""
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return None
     if ndim == 0:  # a 0-dim tensor accepts dim 0/-1; reducing over it is the identity
@@ -295,23 +296,23 @@ def _dims(dim, ndim):
 @lower("sum")
 def sum_(a, dim=None, keepdim=False, *, dtype=None):
     dt = out_dtype()
-    return jnp.sum(a.astype(dt), axis=_dims(dim, a.ndim), keepdims=keepdim)
+    return jnp.sum(a.astype(dt), axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("mean")
 def mean(a, dim=None, keepdim=False, *, dtype=None):
     dt = out_dtype()
-    return jnp.mean(a.astype(dt), axis=_dims(dim, a.ndim), keepdims=keepdim)
+    return jnp.mean(a.astype(dt), axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("amax")
 def amax(a, dim=(), keepdim=False):
-    return jnp.max(a, axis=_dims(dim, a.ndim), keepdims=keepdim)
+    return jnp.max(a, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("amin")
 def amin(a, dim=(), keepdim=False):
-    return jnp.min(a, axis=_dims(dim, a.ndim), keepdims=keepdim)
+    return jnp.min(a, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("_softmax")

@@ -15,22 +15,12 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torchbridge.device.lowerings.core import reduction_axes
 from torchbridge.device.lowerings.registry import ctx, lower
 
 
 def out_dtype(i: int = 0):
     return ctx().out_dtypes[i]
-
-
-def _axes(dim, ndim):
-    """Normalized reduction axes; None means all. A 0-dim tensor takes dim 0/-1 and reduces nothing."""
-    if ndim == 0:
-        return None
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return None
-    if isinstance(dim, int):
-        dim = [dim]
-    return tuple(d % ndim for d in dim)
 
 
 # ---- simple reductions ------------------------------------------------------------------------
@@ -40,8 +30,8 @@ def prod(a, dim=None, keepdim=False, *, dtype=None):
     dt = out_dtype()
     x = a.astype(dt)
     if dt == jnp.bool_:
-        return jnp.all(x, axis=_axes(dim, a.ndim), keepdims=keepdim)
-    return jnp.prod(x, axis=_axes(dim, a.ndim), keepdims=keepdim)
+        return jnp.all(x, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
+    return jnp.prod(x, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("nansum")
@@ -50,28 +40,28 @@ def nansum(a, dim=None, keepdim=False, *, dtype=None):
     x = a.astype(dt)
     if jnp.issubdtype(dt, jnp.floating):
         x = jnp.where(jnp.isnan(x), jnp.zeros_like(x), x)
-    return jnp.sum(x, axis=_axes(dim, a.ndim), keepdims=keepdim)
+    return jnp.sum(x, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("all")
 def all_(a, dim=None, keepdim=False):
-    return jnp.all(a != 0, axis=_axes(dim, a.ndim), keepdims=keepdim)
+    return jnp.all(a != 0, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("any")
 def any_(a, dim=None, keepdim=False):
-    return jnp.any(a != 0, axis=_axes(dim, a.ndim), keepdims=keepdim)
+    return jnp.any(a != 0, axis=reduction_axes(dim, a.ndim), keepdims=keepdim)
 
 
 @lower("count_nonzero")
 def count_nonzero(a, dim=None):
-    return jnp.sum(a != 0, axis=_axes(dim, a.ndim), dtype=jnp.int64)
+    return jnp.sum(a != 0, axis=reduction_axes(dim, a.ndim), dtype=jnp.int64)
 
 
 def _moments(a, dim, correction, keepdim):
     dt = out_dtype()
     x = a.astype(dt)
-    axes = _axes(dim, a.ndim)
+    axes = reduction_axes(dim, a.ndim)
     n = x.size if axes is None else math.prod(x.shape[i] for i in axes)
     mean = jnp.mean(x, axis=axes, keepdims=True)
     c = 1 if correction is None else correction
@@ -137,7 +127,7 @@ def std_mean(a, *args, **kwargs):
 @lower("logsumexp")
 def logsumexp(a, dim, keepdim=False):
     x = a.astype(out_dtype())
-    axes = _axes(dim, a.ndim)
+    axes = reduction_axes(dim, a.ndim)
     m = jnp.max(x, axis=axes, keepdims=True) if x.size else jnp.zeros((1,) * x.ndim, x.dtype)
     m = jnp.where(jnp.isinf(m), jnp.zeros_like(m), lax.stop_gradient(m))
     s = jnp.log(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True)) + m
@@ -167,7 +157,7 @@ def _vector_norm(x, ord_, axes, keepdim):
 @lower("linalg_vector_norm", static=("ord",))
 def linalg_vector_norm(a, ord=2, dim=None, keepdim=False, *, dtype=None):  # noqa: A002
     x = a.astype(out_dtype())
-    return _vector_norm(x, float(ord), _axes(dim, a.ndim), keepdim)
+    return _vector_norm(x, float(ord), reduction_axes(dim, a.ndim), keepdim)
 
 
 @lower("norm", static=("p",))
@@ -175,7 +165,7 @@ def norm(a, p=2, dim=None, keepdim=False, *, dtype=None):
     if isinstance(dim, bool):  # norm.ScalarOpt_dtype(self, p, *, dtype) never has dim; guard anyway
         dim = None
     x = a.astype(out_dtype())
-    return _vector_norm(x, 2.0 if p is None else float(p), _axes(dim, a.ndim), keepdim)
+    return _vector_norm(x, 2.0 if p is None else float(p), reduction_axes(dim, a.ndim), keepdim)
 
 
 # ---- max/min with indices ---------------------------------------------------------------------
@@ -246,7 +236,7 @@ def argmin(a, dim=None, keepdim=False):
 
 @lower("aminmax")
 def aminmax(a, *, dim=None, keepdim=False):
-    axes = _axes(dim, a.ndim)
+    axes = reduction_axes(dim, a.ndim)
     return jnp.min(a, axis=axes, keepdims=keepdim), jnp.max(a, axis=axes, keepdims=keepdim)
 
 
