@@ -96,14 +96,7 @@ def test_fused_optimizer_tracks_cpu(opt_name: str) -> None:
     _compare_training("mlp", opt_name, fused=True)
 
 
-_GRADS_UNSCALED_ON_INF = pytest.mark.xfail(
-    strict=False,
-    reason="lowerings/nn.py fused_sgd writes unscaled grads even when found_inf is set; PyTorch's "
-    "fused CPU/CUDA kernels leave grads untouched on a skipped step",
-)
-
-
-@pytest.mark.parametrize("found_inf", [0.0, pytest.param(1.0, marks=_GRADS_UNSCALED_ON_INF)])
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_fused_sgd_kernel_with_grad_scale(found_inf: float, nesterov: bool) -> None:
     # The op the optimizer calls under AMP, against PyTorch's own fused CPU kernel.
@@ -121,6 +114,24 @@ def test_fused_sgd_kernel_with_grad_scale(found_inf: float, nesterov: bool) -> N
     for got, ref in zip(run(DEV), run("cpu"), strict=True):
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_fused_adamw_kernel_with_grad_scale(found_inf: float) -> None:
+    g = torch.Generator().manual_seed(6)
+    state = [[torch.randn(3, 4, generator=g).abs() for _ in range(2)] for _ in range(4)]
+
+    def run(device: str) -> list[list[torch.Tensor]]:
+        params, grads, m, v = ([t.to(device) for t in ts] for ts in state)
+        steps = [torch.tensor(3.0, device=device) for _ in params]
+        torch._fused_adamw_(params, grads, m, v, [], steps, lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1,
+                            eps=1e-8, amsgrad=False, maximize=False, grad_scale=torch.tensor(8.0, device=device),
+                            found_inf=torch.tensor(found_inf, device=device))
+        return [[t.cpu() for t in ts] for ts in (params, grads, m, v)]
+
+    for got, ref in zip(run(DEV), run("cpu"), strict=True):
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_foreach_false_tracks_cpu() -> None:

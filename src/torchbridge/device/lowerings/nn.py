@@ -789,6 +789,7 @@ def _skip_if_inf(found_inf, new: list, old: list) -> list:
 def _adam(decoupled: bool):
     def fn(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2, weight_decay, eps,
            amsgrad, maximize, grad_scale=None, found_inf=None):
+        raw_grads = list(grads)  # a skipped (found_inf) step leaves the grads as they came, like PyTorch
         stored_grads, grads = _unscale(grads, grad_scale, maximize)
         params, m1, m2, vmax = [], [], [], []
         for i, (p, g, m, v, step) in enumerate(zip(self, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
@@ -812,9 +813,10 @@ def _adam(decoupled: bool):
             params.append(p - (lr_ / bc1) * m / denom)
             m1.append(m)
             m2.append(v)
-        old = {"self": list(self), "grads": list(grads), "exp_avgs": list(exp_avgs), "exp_avg_sqs": list(exp_avg_sqs),
+        old = {"self": list(self), "grads": raw_grads, "exp_avgs": list(exp_avgs), "exp_avg_sqs": list(exp_avg_sqs),
                "max_exp_avg_sqs": list(max_exp_avg_sqs)}
-        new = {"self": _skip_if_inf(found_inf, params, old["self"]), "grads": stored_grads,
+        new = {"self": _skip_if_inf(found_inf, params, old["self"]),
+               "grads": _skip_if_inf(found_inf, stored_grads, raw_grads),
                "exp_avgs": _skip_if_inf(found_inf, m1, old["exp_avgs"]),
                "exp_avg_sqs": _skip_if_inf(found_inf, m2, old["exp_avg_sqs"]),
                "max_exp_avg_sqs": _skip_if_inf(found_inf, vmax, old["max_exp_avg_sqs"]) if amsgrad else []}
@@ -832,6 +834,7 @@ lower("_fused_adamw", mutates=_OPT_MUTATES)(_adam(decoupled=True))
 @lower("_fused_sgd", mutates=("grads", "momentum_buffer_list"))
 def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
               is_first_step, grad_scale=None, found_inf=None):
+    raw_grads = list(grads)  # a skipped (found_inf) step leaves the grads as they came, like PyTorch
     stored_grads, grads = _unscale(grads, grad_scale, maximize)
     params, bufs = [], []
     for i, (p, g) in enumerate(zip(self, grads, strict=True)):
@@ -842,8 +845,8 @@ def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, 
             bufs.append(buf)
             g = g + momentum * buf if nesterov else buf
         params.append(p - jnp.asarray(lr, p.dtype) * g)
-    old = {"self": list(self), "grads": list(grads), "momentum_buffer_list": list(momentum_buffer_list)}
-    new = {"self": _skip_if_inf(found_inf, params, old["self"]), "grads": stored_grads,
+    old = {"self": list(self), "grads": raw_grads, "momentum_buffer_list": list(momentum_buffer_list)}
+    new = {"self": _skip_if_inf(found_inf, params, old["self"]), "grads": _skip_if_inf(found_inf, stored_grads, raw_grads),
            "momentum_buffer_list": _skip_if_inf(found_inf, bufs, old["momentum_buffer_list"]) if momentum != 0 else []}
     return _optimizer_result(new, {k: v for k, v in old.items() if k != "self"},
                              ("self", "grads", "momentum_buffer_list"))
