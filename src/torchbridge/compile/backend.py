@@ -82,6 +82,7 @@ class GraphProgram:
         device = device or torch.device(STATE.name, STATE.current_device)
         rng = STATE.next_rng(device.index or 0) if self.random else None
         flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
         results, it = [], iter(flat_out)
         for m in out_meta:
             if m is None:
