@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: run test test-all lint conformance bench clean
+.PHONY: run test test-all test-fused lint conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	TB_SLOW=1 $(PY) -m pytest -q -ra tests
+
+# The eager device suite again with every op recorded and run as fused sequences.
+test-fused: $(STAMP)
+	TORCHBRIDGE_EAGER_MODE=fused $(PY) -m pytest -q -ra tests/device
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench scripts
