@@ -81,3 +81,10 @@ def test_training_20_steps_matches_cpu_and_reuses_fused_programs(fused_mode):
     assert fused.stats()["fused_programs"] - programs_after_warmup <= 2
     for p_cpu, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
         torch.testing.assert_close(p_dev.cpu(), p_cpu, atol=1e-5, rtol=1e-4)
+
+
+def test_host_tensor_mutated_after_transfer_does_not_leak_into_device_copy(fused_mode):
+    host = torch.arange(6.0)
+    dev = host.to(DEV)  # recorded, not yet run
+    host.mul_(100)
+    torch.testing.assert_close(dev.cpu(), torch.arange(6.0))
