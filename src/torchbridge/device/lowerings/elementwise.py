@@ -211,28 +211,30 @@ def nan_to_num(a, nan=None, posinf=None, neginf=None):
 
 # ---- binary arithmetic ------------------------------------------------------------------------
 
-@lower("atan2")
-def atan2(a, b):
-    a, b = _both(a, b)
-    return jnp.arctan2(a, b)
+def _binary(fn):
+    """A lowering that applies `fn` to both operands cast to the computation dtype."""
+
+    def lowering(a, b):
+        return fn(*_both(a, b))
+
+    return lowering
 
 
-@lower("hypot")
-def hypot(a, b):
-    a, b = _both(a, b)
-    return jnp.hypot(a, b)
-
-
-@lower("copysign")
-def copysign(a, b):
-    a, b = _both(a, b)
-    return jnp.copysign(a, b)
-
-
-@lower("nextafter")
-def nextafter(a, b):
-    a, b = _both(a, b)
-    return jnp.nextafter(a, b)
+_BINARY = {
+    "atan2": jnp.arctan2,
+    "hypot": jnp.hypot,
+    "copysign": jnp.copysign,
+    "nextafter": jnp.nextafter,
+    "floor_divide": jnp.floor_divide,
+    "fmax": jnp.fmax,
+    "fmin": jnp.fmin,
+    "logaddexp": jnp.logaddexp,
+    "logaddexp2": jnp.logaddexp2,
+    "float_power": jnp.power,
+    "gcd": jnp.gcd,
+}
+for _name, _fn in _BINARY.items():
+    lower(_name)(_binary(_fn))
 
 
 @lower("fmod")
@@ -251,36 +253,6 @@ def remainder(a, b):
     # PyTorch's CPU formula: a - b * floor(a / b); keeps its rounding (jnp.remainder uses fmod).
     mod = jnp.fmod(a, b)
     return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
-
-
-@lower("floor_divide")
-def floor_divide(a, b):
-    a, b = _both(a, b)
-    return jnp.floor_divide(a, b)
-
-
-@lower("fmax")
-def fmax(a, b):
-    a, b = _both(a, b)
-    return jnp.fmax(a, b)
-
-
-@lower("fmin")
-def fmin(a, b):
-    a, b = _both(a, b)
-    return jnp.fmin(a, b)
-
-
-@lower("logaddexp")
-def logaddexp(a, b):
-    a, b = _both(a, b)
-    return jnp.logaddexp(a, b)
-
-
-@lower("logaddexp2")
-def logaddexp2(a, b):
-    a, b = _both(a, b)
-    return jnp.logaddexp2(a, b)
 
 
 @lower("heaviside")
@@ -302,12 +274,6 @@ def xlog1py(a, b):
     a, b = _both(a, b)
     res = jnp.where(a == 0, jnp.zeros_like(a * b), a * jnp.log1p(b))
     return jnp.where(jnp.isnan(b), b, res)
-
-
-@lower("float_power")
-def float_power(a, b):
-    a, b = _both(a, b)
-    return jnp.power(a, b)
 
 
 @lower("lerp")
@@ -631,12 +597,6 @@ def softshrink_backward(grad, a, lambd):
 def frexp(a):
     m, e = jnp.frexp(a)
     return m, e.astype(jnp.int32)
-
-
-@lower("gcd")
-def gcd(a, b):
-    a, b = _both(a, b)
-    return jnp.gcd(a, b)
 
 
 @lower("igamma")
