@@ -10,7 +10,6 @@ parameters are never copied per call; outputs become device tensors by swapping 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from collections import Counter
 from typing import Any
@@ -135,8 +134,8 @@ class GraphProgram:
                 if m is None or m[0] == "const":
                     continue
                 _, shape, stride, dt = m
-                x = jnp.broadcast_to(_cast(env[v], dtypes.to_jax(dt)), shape)
-                outs.append(views.layout(x, views.ViewSpec(shape, stride, 0), _storage_numel(shape, stride)))
+                x = jnp.broadcast_to(views.cast(env[v], dtypes.to_jax(dt)), shape)
+                outs.append(views.layout(x, views.ViewSpec(shape, stride, 0), views.storage_numel(shape, stride)))
             return tuple(outs)
 
         return jax.jit(program), out_meta
@@ -182,26 +181,13 @@ def _tensor_leaves(val: Any) -> list[torch.Tensor]:
     return []
 
 
-def _cast(x: Any, dt: jnp.dtype) -> Any:
-    x = jnp.asarray(x)
-    if dt == jnp.bool_ and x.dtype != jnp.bool_:
-        return x != 0
-    return x.astype(dt)
-
-
 def _cast_like(res: Any, val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        out = _cast(res, dtypes.to_jax(val.dtype))
+        out = views.cast(res, dtypes.to_jax(val.dtype))
         return jnp.broadcast_to(out, tuple(val.shape)) if out.shape != tuple(val.shape) else out
     if isinstance(val, (list, tuple)) and isinstance(res, (list, tuple)):
         return type(res)(_cast_like(r, v) for r, v in zip(res, val, strict=False))
     return res
-
-
-def _storage_numel(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    if math.prod(shape) == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
 def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:

@@ -11,7 +11,6 @@ Scalar values are program inputs, so a new scalar value never recompiles.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from collections import Counter
@@ -371,16 +370,15 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
             for j, ti in enumerate(idx):
                 d = descs[ti]
                 cur = storage_as(d.slot, d.dtype)
-                val = jnp.asarray(src[j]).astype(d.dtype) if d.dtype != jnp.bool_ else jnp.asarray(src[j]) != 0
+                val = views.cast(src[j], d.dtype)
                 typed.clear()
                 bufs[d.slot] = views.write(cur, d.spec, val)
         new = []
         for (shape, strides, dt), r in zip(new_outputs, res_leaves if new_outputs else [], strict=True):
             jdt = dtypes.to_jax(dt)
-            r = jnp.asarray(r)
-            r = (r != 0) if jdt == jnp.bool_ and r.dtype != jnp.bool_ else r.astype(jdt)
+            r = views.cast(r, jdt)
             r = jnp.broadcast_to(r, shape)
-            numel = _storage_numel(shape, strides)
+            numel = views.storage_numel(shape, strides)
             new.append(views.layout(r, views.ViewSpec(shape, strides, 0), numel))
         return tuple(bufs[s] for s in write_slots), tuple(new)
 
@@ -400,12 +398,6 @@ def _resize_outs(value: Any, shapes: Any) -> None:
     else:
         for v, s in zip(value, shapes, strict=True):
             _resize_outs(v, s)
-
-
-def _storage_numel(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
-    if math.prod(shape) == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
 
 
 def _tensor_indices(enc: Any) -> list[int]:

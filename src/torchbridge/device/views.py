@@ -102,6 +102,21 @@ def write(buf: jnp.ndarray, spec: ViewSpec, values: jnp.ndarray) -> jnp.ndarray:
     return buf.at[_indices(spec).reshape(-1)].set(values.reshape(-1))
 
 
+def storage_numel(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Elements a fresh storage needs to hold a (shape, strides) view at offset 0."""
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+
+
+def cast(x: jnp.ndarray, dtype: jnp.dtype) -> jnp.ndarray:
+    """`x` as `dtype`, with PyTorch's meaning for bool: nonzero is True."""
+    x = jnp.asarray(x)
+    if dtype == jnp.bool_ and x.dtype != jnp.bool_:
+        return x != 0
+    return x.astype(dtype)
+
+
 def layout(values: jnp.ndarray, spec: ViewSpec, storage_numel: int) -> jnp.ndarray:
     """A fresh flat storage holding `values` at the positions `spec` describes."""
     if spec.offset == 0 and is_contiguous(spec.shape, spec.strides) and math.prod(spec.shape) == storage_numel:

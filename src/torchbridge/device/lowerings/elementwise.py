@@ -171,29 +171,19 @@ def positive(a):
     return a
 
 
-@lower("isnan")
-def isnan(a):
-    return jnp.isnan(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, jnp.bool_)
+def _float_predicate(fn, otherwise: bool):
+    """A float-classification lowering; integer and bool tensors have no nan/inf, so the answer is fixed."""
+
+    def lowering(a):
+        return fn(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.full(a.shape, otherwise, jnp.bool_)
+
+    return lowering
 
 
-@lower("isinf")
-def isinf(a):
-    return jnp.isinf(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, jnp.bool_)
-
-
-@lower("isposinf")
-def isposinf(a):
-    return jnp.isposinf(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, jnp.bool_)
-
-
-@lower("isneginf")
-def isneginf(a):
-    return jnp.isneginf(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, jnp.bool_)
-
-
-@lower("isfinite")
-def isfinite(a):
-    return jnp.isfinite(a) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.ones(a.shape, jnp.bool_)
+for _name, _fn, _otherwise in (("isnan", jnp.isnan, False), ("isinf", jnp.isinf, False),
+                               ("isposinf", jnp.isposinf, False), ("isneginf", jnp.isneginf, False),
+                               ("isfinite", jnp.isfinite, True)):
+    lower(_name)(_float_predicate(_fn, _otherwise))
 
 
 @lower("nan_to_num")
