@@ -74,12 +74,14 @@ def arm(name: str, model: torch.nn.Module, device: str, compile_backend: str | N
             out[f"fwd_b{batch}_ms"] = timeit(fwd, device, args.warmup, args.iters)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         ids = torch.randint(0, 8192, (8, args.seq)).to(device)
+        # compiled arms compile the optimizer step too (its own graph: backward is a graph break)
+        opt_step = torch.compile(opt.step, backend=compile_backend) if compile_backend else opt.step
 
         def train_step():
             opt.zero_grad()
             loss = fwd_model(input_ids=ids, labels=ids).loss
             loss.backward()
-            opt.step()
+            opt_step()
 
         out["train_step_ms"] = timeit(train_step, device, args.warmup, args.iters)
     finally:

@@ -5,6 +5,7 @@ from torchbridge.device.lowerings import (
     creation,  # noqa: F401
     elementwise,  # noqa: F401
     extra,  # noqa: F401
+    foreach,  # noqa: F401
     indexing,  # noqa: F401
     linalg,  # noqa: F401
     nn,  # noqa: F401
