@@ -42,7 +42,7 @@ def make_model(quick: bool) -> torch.nn.Module:
 
 def _sync(device: str) -> None:
     if device != "cpu":
-        getattr(torch, DEV).synchronize()
+        getattr(torch, torch.device(device).type).synchronize()
 
 
 def timeit(fn, device: str, warmup: int, iters: int) -> float:
@@ -126,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled")
     ap.add_argument("--write", default=None)
+    ap.add_argument("--torch-device", default="cpu", help="where the torch eager/inductor arms run (cpu, cuda)")
     args = ap.parse_args(argv)
     model = make_model(args.quick)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Llama with {n_params / 1e6:.1f}M parameters, sequence {args.seq}", flush=True)
     arms = {
-        "cpu": ("torch CPU eager", "cpu", None, "eager"),
-        "inductor": ("torch.compile inductor", "cpu", "inductor", "eager"),
+        "cpu": (f"torch {args.torch_device} eager", args.torch_device, None, "eager"),
+        "inductor": ("torch.compile inductor", args.torch_device, "inductor", "eager"),
         "eager": ("bridge eager", DEV, None, "eager"),
         "fused": ("bridge fused eager", DEV, None, "fused"),
         "compiled": ("bridge compiled", DEV, "tpu", "eager"),
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if cold:
         print(f"cold start, first compiled forward: first process {cold[0]:.1f} s, second process {cold[1]:.1f} s")
     if args.write:
-        text = (f"# Compiled and fused modes on a {n_params / 1e6:.1f}M-parameter Llama (this CPU)\n\n"
+        where = f"bridge on {getattr(torch, DEV).get_device_name()}, torch arms on {args.torch_device}"
+        text = (f"# Compiled and fused modes on a {n_params / 1e6:.1f}M-parameter Llama ({where})\n\n"
                 f"Command: `python bench/bench_compile.py {' '.join(argv or sys.argv[1:])}`\n\n"
                 f"Milliseconds, median of {args.iters} after {args.warmup} warm-up runs; sequence {args.seq}.\n\n{table}\n")
         if cold:
