@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchbridge.device import dtypes, fused, views
+from torchbridge.device import dtypes, fused, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -44,6 +44,7 @@ class OpInfo_:
     mutated: tuple[str, ...]  # args written by the op (in-place self, out=, running stats)
     out_args: tuple[str, ...]  # kwarg-only out= args, stripped before calling the lowering
     inplace: bool
+    dynamic_pos: tuple[bool, ...] = ()  # per position: is `dynamic` (for the C++ fast-path key)
 
 
 _op_infos: dict[Any, OpInfo_] = {}
@@ -74,8 +75,9 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
         inplace = bool(mutated) and not out_args and mutated[0] == schema.arguments[0].name and (
             registry.functional_name(op) != schema.name.split("::")[-1]
         )
-        info = OpInfo_(lowering, tuple(a.name for a in schema.arguments), frozenset(dynamic), tuple(mutated),
-                       tuple(out_args), inplace)
+        names = tuple(a.name for a in schema.arguments)
+        info = OpInfo_(lowering, names, frozenset(dynamic), tuple(mutated), tuple(out_args), inplace,
+                       tuple(n in dynamic for n in names))
         _op_infos[id(op)] = info
     return info
 
@@ -408,9 +410,93 @@ def _tensor_indices(enc: Any) -> list[int]:
     return []
 
 
+# ---- the fast path -----------------------------------------------------------------------------
+#
+# A repeat call (same op, same tensor layouts and aliasing, same constants, same scalar types) skips
+# encoding, classification and the general cache key: one C++ pass over the arguments builds the key
+# (native.signature), and a hit runs the cached program on the storages' current buffers. Anything
+# unusual (CPU tensors, tensor lists, factory calls, fused mode, a dtype-punned storage) takes the
+# general path, which records the fast entry once it has run the call.
+
+class _Fast(NamedTuple):
+    program: _Program
+    buffer_dtypes: tuple  # the flat buffers' dtypes the program was traced for
+    device: torch.device
+    dev_index: int
+    returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
+    returns_none: bool
+    zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
+
+
+_fast: dict[Any, _Fast] = {}
+MISS = object()
+_ARRAY = type(jnp.zeros(()))
+
+
+def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:
+    from torchbridge.device import native
+
+    return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
+
+
+def run_fast(sig: Any) -> Any:
+    """The cached result of a repeat call, or MISS."""
+    entry = _fast.get(sig[0])
+    if entry is None:
+        return MISS
+    table = STATE.table._buffers
+    ptrs = sig[1]
+    bufs = []
+    for i, p in enumerate(ptrs):
+        b = table.get(p)
+        if b.__class__ is not _ARRAY:
+            if b is not None:  # a fused-mode placeholder
+                return MISS
+            b = table[p] = storage.zeros(*entry.zeros[i])  # e.g. the fresh out= tensor of a structured op
+        bufs.append(b)
+    bufs = tuple(bufs)
+    if tuple(b.dtype for b in bufs) != entry.buffer_dtypes:
+        return MISS
+    program = entry.program
+    rng = STATE.next_rng(entry.dev_index) if program.random else None
+    updated, new = program.fn(bufs, sig[2], (), (), rng)
+    STATE.last_results[entry.dev_index] = (updated, new)
+    for slot, buf in zip(program.writes, updated, strict=True):
+        table[ptrs[slot]] = buf
+    return entry, new
+
+
+def finish_fast(entry: _Fast, new: Any, args: tuple, kwargs: dict) -> Any:
+    if entry.returns is not None:
+        if entry.returns_none:
+            return None
+        vals = [args[r] if isinstance(r, int) else kwargs[r] for r in entry.returns]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+    table = STATE.table._buffers
+    outs = []
+    for (shape, strides, dt), buf in zip(entry.program.outputs, new, strict=True):
+        t = torch.empty_strided(shape, strides, dtype=dt, device=entry.device)
+        table[t.untyped_storage().data_ptr()] = buf
+        outs.append(t)
+    return _rebuild(entry.program.out_struct, outs)
+
+
+def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
+                   device: torch.device, args: tuple, kwargs: dict) -> None:
+    returns = None
+    if info.out_args or info.inplace:
+        names = info.out_args or (info.mutated[0],)
+        returns = tuple(n if n in kwargs else info.arg_names.index(n) for n in names)
+    jdev = STATE.jax_device(device.index or 0)
+    zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
+                                                                                          strict=True))
+    _fast[sig[0]] = _Fast(program, tuple(buffer_dtypes), device, device.index or 0, returns,
+                          not op._schema.returns, zeros)
+
+
 # ---- the entry point ---------------------------------------------------------------------------
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -> Any:
     info = op_info(op)
     if info.lowering is None:
         raise UnsupportedOp(str(op))
@@ -465,6 +551,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     if not lazy:
         STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
+        if sig is not None and not hosts and not host_scalars:
+            _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     if info.out_args or info.inplace:
@@ -506,12 +594,13 @@ _warned: set[str] = set()
 
 
 def cache_info() -> dict[str, Any]:
-    return {"programs": len(_programs), "compiles": sum(compile_counter.values())}
+    return {"programs": len(_programs), "compiles": sum(compile_counter.values()), "fast_entries": len(_fast)}
 
 
 def clear_cache() -> None:
     """Drop every compiled eager program (and the fused sequences built from them)."""
     STATE.table.flush()
     _programs.clear()
+    _fast.clear()
     # Fused programs are keyed by id() of per-op programs; ids of dropped programs may be reused.
     fused.RECORDER.cache.clear()

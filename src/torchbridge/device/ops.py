@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchbridge.device import dispatch, dtypes, views
+from torchbridge.device import dispatch, dtypes, fused, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -269,7 +269,12 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     if info.lowering is not None:
         if getattr(info.lowering.fn, "dynamic_shape", False):
             return run_dynamic(op, info.lowering, args, kwargs)
-        return dispatch.run(op, args, kwargs)
+        sig = None if fused.active() else dispatch.signature(op, info, args, kwargs)
+        if sig is not None:
+            hit = dispatch.run_fast(sig)
+            if hit is not dispatch.MISS:
+                return dispatch.finish_fast(hit[0], hit[1], args, kwargs)
+        return dispatch.run(op, args, kwargs, sig)
     decomp = decomposition_table.get(op)
     active = getattr(_local, "decomposing", None)
     if active is None:
@@ -296,6 +301,29 @@ def register_kernels() -> None:
             packet, _, overload = name.partition(".")
             op = getattr(getattr(aten, packet), overload or "default")
             _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+        for op in _structured_functional_ops():
+            _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+
+
+def _structured_functional_ops() -> list[torch._ops.OpOverload]:
+    """Functional ops whose generic kernel allocates an output and calls the `.out` variant
+    (CompositeExplicitAutogradNonFunctional: add, mul, where, ...). A device kernel of our own runs
+    the functional lowering directly: one dispatch instead of two, and no empty output to fill."""
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            name, "CompositeExplicitAutogradNonFunctional"
+        ) or torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1"):
+            continue
+        packet, _, overload = name[len("aten::"):].partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is None or registry.find(op) is None:
+            continue
+        schema = op._schema
+        if any(a.alias_info is not None for a in schema.arguments) or not schema.returns:
+            continue  # in-place and out= variants already reach the fallback with their own outputs
+        found.append(op)
+    return found
 
 
 _override_lib: torch.library.Library | None = None
@@ -311,6 +339,7 @@ def metrics() -> dict[str, Any]:
         "compiled_programs": info["programs"],
         "compiles": info["compiles"],
         "compiles_by_op": dict(dispatch.compile_counter),
+        "fast_path_entries": info["fast_entries"],
         "cpu_fallbacks": dict(dispatch.cpu_fallback_counter),
         "live_storages": len(STATE.table),
     }

@@ -64,7 +64,7 @@ class BufferTable:
         buf = self._buffers.get(key)
         if buf is None:
             itemsize = jnp.dtype(dtype).itemsize
-            buf = _zeros(nbytes // itemsize, dtype, device)
+            buf = zeros(nbytes // itemsize, dtype, device)
             self._buffers[key] = buf
         return buf
 
@@ -75,7 +75,7 @@ class BufferTable:
 _zero_cache: dict[tuple, jax.Array] = {}
 
 
-def _zeros(count: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
+def zeros(count: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
     # Immutable, so one zero buffer per (size, dtype, device) can back any number of fresh storages.
     key = (count, jnp.dtype(dtype), device)
     buf = _zero_cache.get(key)

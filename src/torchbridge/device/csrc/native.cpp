@@ -246,6 +246,91 @@ pybind11::list describe(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
+// The eager fast path's cache key, built in one pass over a call's Python arguments.
+//
+// Returns None when the call needs the general path (CPU tensors, lists holding tensors, no device
+// tensor at all), else (key, storage_ptrs, scalars). The key holds the op id, a byte string packing
+// every device tensor's storage slot (aliasing), storage size, shape, strides, offset, dtype and
+// device, plus the *type* of each dynamic scalar, and then every other argument as a constant.
+// `dynamic` names, per position (then per kwarg name), the arguments whose numbers are traced values.
+namespace sig {
+
+void put(std::string& blob, int64_t v) { blob.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+
+bool add(PyObject* obj, bool dynamic, std::string& blob, pybind11::list& consts, std::vector<uint64_t>& ptrs,
+         pybind11::list& scalars, bool& any_device) {
+  if (THPVariable_Check(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.device().type() != kDevice) return false;
+    any_device = true;
+    const auto& storage = t.storage();
+    auto p = reinterpret_cast<uint64_t>(storage.data());
+    int64_t slot = -1;
+    for (size_t i = 0; i < ptrs.size(); ++i)
+      if (ptrs[i] == p) slot = static_cast<int64_t>(i);
+    if (slot < 0) {
+      slot = static_cast<int64_t>(ptrs.size());
+      ptrs.push_back(p);
+    }
+    put(blob, 'T');
+    put(blob, slot);
+    put(blob, static_cast<int64_t>(storage.nbytes()));
+    put(blob, t.dim());
+    for (auto v : t.sizes()) put(blob, v);
+    for (auto v : t.strides()) put(blob, v);
+    put(blob, t.storage_offset());
+    put(blob, static_cast<int64_t>(t.scalar_type()));
+    put(blob, t.device().index());
+    return true;
+  }
+  if (dynamic && (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj) || PyBool_Check(obj))) {
+    put(blob, PyBool_Check(obj) ? 'b' : PyFloat_CheckExact(obj) ? 'f' : 'i');
+    scalars.append(pybind11::handle(obj));
+    return true;
+  }
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    pybind11::sequence seq = pybind11::reinterpret_borrow<pybind11::sequence>(obj);
+    for (auto item : seq)
+      if (THPVariable_Check(item.ptr()) || PyList_Check(item.ptr()) || PyTuple_Check(item.ptr())) return false;
+    put(blob, 'C');
+    for (auto item : seq) put(blob, reinterpret_cast<int64_t>(Py_TYPE(item.ptr())));
+    consts.append(pybind11::tuple(seq));
+    return true;
+  }
+  put(blob, 'C');
+  put(blob, reinterpret_cast<int64_t>(Py_TYPE(obj)));  // 1, 1.0 and True are equal keys but not equal programs
+  consts.append(pybind11::handle(obj));
+  return true;
+}
+
+pybind11::object signature(int64_t op_id, pybind11::tuple args, pybind11::dict kwargs, pybind11::tuple dynamic,
+                           pybind11::frozenset dynamic_kw) {
+  std::string blob;
+  pybind11::list consts, scalars;
+  std::vector<uint64_t> ptrs;
+  bool any_device = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    bool dyn = i < dynamic.size() && dynamic[i].cast<bool>();
+    if (!add(args[i].ptr(), dyn, blob, consts, ptrs, scalars, any_device)) return pybind11::none();
+  }
+  for (auto item : kwargs) {
+    put(blob, 'K');
+    consts.append(item.first);
+    if (!add(item.second.ptr(), dynamic_kw.contains(item.first), blob, consts, ptrs, scalars, any_device))
+      return pybind11::none();
+  }
+  if (!any_device) return pybind11::none();
+  pybind11::tuple key(2 + consts.size());
+  key[0] = pybind11::int_(op_id);
+  key[1] = pybind11::bytes(blob);
+  for (size_t i = 0; i < consts.size(); ++i) key[2 + i] = consts[i];
+  pybind11::tuple p(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) p[i] = pybind11::int_(ptrs[i]);
+  return pybind11::make_tuple(key, p, pybind11::tuple(scalars));
+}
+
+}  // namespace sig
+
 bool g_registered = false;
 
 void install(int device_count) {
@@ -280,6 +365,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_bytes", [](int d) { return g_peak_bytes[d].load(); });
   m.def("reset_peak_bytes", [](int d) { g_peak_bytes[d] = g_live_bytes[d].load(); });
   m.def("describe", &describe, "per-tensor layout tuples for the eager cache key");
+  m.def("signature", &sig::signature, "the eager fast path's cache key for one call, or None");
   m.def("current_device", []() { return static_cast<int>(t_current_device); });
   m.def("set_device", [](int d) {
     TORCH_CHECK(d >= 0 && d < g_device_count.load(), "torchbridge: invalid device index ", d, " (",
