@@ -43,23 +43,34 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 # Measured with torchbridge.route.calibrate on one `torchbridge serve --device cpu` replica of the
 # bundled 4M-parameter Llama (2 shared CPU cores, 2026-11-29): 4,895 prompt tok/s; decode step
-# 5.6 ms + 1.9 ms per sequence; 4,096 KV blocks of 16 tokens; --max-num-seqs 64.
+# 5.6 ms + 1.9 ms per sequence; 4,096 KV blocks of 16 tokens; --max-num-seqs 64. The engine's
+# defaults add chunked prefill with --max-num-batched-tokens 1024 (serve/config.py).
 CALIBRATED = dict(prefill_tps=4895.0, decode_base_s=0.0056, decode_per_seq_s=0.0019, kv_blocks=4096,
-                  block_size=16, max_batch=64)
+                  block_size=16, max_batch=64, max_batched_tokens=1024)
+# The measured 4,096 blocks are the engine's default sizing for a 1,024-position model: room for
+# max_num_seqs (64) full-length sequences, capped at --kv-cache-memory-gib 2. The agentic
+# workload's contexts reach ~32k tokens, so the engine must run with --max-model-len 32768, and
+# the same rule then gives min(64 x 32,768, 2 GiB / 4 KiB per token) = 524,288 tokens of KV
+# (this model in fp32: 2 x 4 layers x 2 KV heads x 64 dims x 4 bytes = 4 KiB per token).
+AGENTIC_KV_TOKENS = 524_288
 
 
-def sim_model(sim_block: int, cal: dict[str, float]) -> ReplicaModel:
+def sim_model(sim_block: int, cal: dict[str, float], kv_tokens: int | None = None) -> ReplicaModel:
     """The calibrated replica, with KV counted in the simulator's (coarser) blocks."""
-    kv_tokens = cal["kv_blocks"] * cal["block_size"]
+    kv_tokens = kv_tokens or int(cal["kv_blocks"] * cal["block_size"])
+    mbt = cal.get("max_batched_tokens")
     return ReplicaModel(prefill_tps=cal["prefill_tps"], decode_base_s=cal["decode_base_s"],
                         decode_per_seq_s=cal["decode_per_seq_s"], kv_blocks=int(kv_tokens // sim_block),
-                        block_size=sim_block, max_batch=int(cal["max_batch"]))
+                        block_size=sim_block, max_batch=int(cal["max_batch"]),
+                        max_batched_tokens=int(mbt) if mbt else None)
 
 
 def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: int, duration: float,
-            warmup: float, sim_block: int, cal: dict[str, float], wl: AgenticWorkload | None = None) -> dict[str, Any]:
+            warmup: float, sim_block: int, cal: dict[str, float], wl: AgenticWorkload | None = None,
+            kv_tokens: int | None = None, scrape_interval_s: float = 1.0) -> dict[str, Any]:
     picker = EndpointPicker(parse_config({"router": {"block_size": sim_block}}), seed=seed, capacity=n_replicas)
-    sim = Simulator(picker, {f"r{i}": sim_model(sim_block, cal) for i in range(n_replicas)}, arm)
+    model = sim_model(sim_block, cal, kv_tokens)
+    sim = Simulator(picker, {f"r{i}": model for i in range(n_replicas)}, arm, scrape_interval_s=scrape_interval_s)
     t0 = time.perf_counter()
     if workload == "agentic":
         res = run_agentic(sim, wl or AgenticWorkload(), concurrency, duration, warmup, seed)
@@ -68,28 +79,41 @@ def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: in
                                 warmup, seed)
     s = summarize(res)
     win = [r for r in res.requests if warmup <= r.arrival < duration]
+    done = [r for r in res.requests if warmup <= r.finish < duration]
     s.update(workload=workload, arm=arm, replicas=n_replicas, concurrency=concurrency, seed=seed,
-             wall_s=time.perf_counter() - t0, ttfts=sorted(round(r.ttft, 4) for r in win))
+             wall_s=time.perf_counter() - t0, ttfts=sorted(round(r.ttft, 4) for r in win),
+             tpot_mean=statistics.fmean((r.finish - r.first_token) / max(1, r.max_tokens - 1) for r in done)
+             if done else math.nan,
+             evicted_blocks=res.evicted_blocks, prefill_tokens=res.prefill_tokens)
     return s
 
 
 def run_sim(args: argparse.Namespace, cal: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
     n = args.sim_replicas
-    conc = [int(c * n) for c in args.sim_per_replica]
+    sat = int(round(args.sat_per_replica * n))
+    wl = AgenticWorkload(system_tokens=args.system_tokens, session_tokens=args.session_tokens,
+                         first_user_tokens=args.input_tokens, tool_tokens=args.input_tokens,
+                         output_tokens=args.output_tokens, tool_latency_mean_s=args.tool_latency_mean)
     for workload in args.workloads:
-        levels = conc if workload == "agentic" else [int(conc[len(conc) // 2])]
+        if workload == "agentic":
+            levels = sorted({int(round(c * n)) for c in args.sim_per_replica} | {sat})
+            kv, dur, warm = args.kv_tokens, args.sim_duration, args.sim_warmup
+        else:
+            levels, kv, dur, warm = [int(6 * n)], None, 10.0, 3.0
         for c in levels:
-            for arm in ARMS:
-                seeds = range(args.seeds) if c == int(args.sat_per_replica * n) or workload != "agentic" else [0]
+            at_sat = c == sat or workload != "agentic"
+            arms = [a for a in ARMS if a in (args.arms if at_sat else args.sweep_arms)]
+            for arm in arms:
+                seeds = range(args.first_seed, args.first_seed + args.seeds) \
+                    if c == sat or workload != "agentic" else [args.first_seed]
                 for seed in seeds:
-                    wl = AgenticWorkload(system_tokens=args.system_tokens, tool_tokens=args.tool_tokens,
-                                         output_tokens=args.output_tokens)
-                    r = sim_run(workload, arm, n, c, seed, args.sim_duration, args.sim_warmup, args.sim_block, cal, wl)
+                    r = sim_run(workload, arm, n, c, seed, dur, warm, args.sim_block, cal, wl, kv, args.scrape_interval)
                     rows.append(r)
                     print(f"sim {workload:8s} n={n} c={c:5d} {arm:13s} seed={seed} ttft_mean={r['ttft_mean']:.3f}s "
-                          f"p90={r['ttft_p90']:.3f}s tok/s={r['total_tps']:.0f} hit={r['prefix_hit_ratio']:.2f} "
-                          f"dec_p50={r['decision_p50_us']:.0f}us ({r['wall_s']:.0f}s)", flush=True)
+                          f"p50={r['ttft_p50']:.3f}s tok/s={r['total_tps']:.0f} tpot={r['tpot_mean'] * 1e3:.0f}ms "
+                          f"hit={r['prefix_hit_ratio']:.2f} dec_p50={r['decision_p50_us']:.0f}us ({r['wall_s']:.0f}s)",
+                          flush=True)
     return rows
 
 
@@ -267,16 +291,35 @@ def plots(rows: list[dict[str, Any]], prefix: str) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> str:
     keys = sorted({(r.get("workload", "agentic"), r["concurrency"], r["arm"]) for r in rows if "arm" in r},
                   key=lambda k: (k[0], k[1], ARMS.index(k[2])))
-    lines = ["| workload | sessions | arm | seeds | TTFT mean (s) | P50 | P90 | total tok/s | output tok/s | "
-             "prefix hit | decision P50 (us) |", "|" + "---|" * 11]
+    lines = ["| workload | sessions | arm | seeds | TTFT mean (s) | P50 | P90 | TPOT (ms) | total tok/s | output tok/s | "
+             "prefix hit | decision P50 (us) |", "|" + "---|" * 12]
     for w, c, arm in keys:
         sel = [r for r in rows if r.get("workload", "agentic") == w and r["concurrency"] == c and r["arm"] == arm]
 
         def m(k: str, sel: list[dict[str, Any]] = sel) -> float:
             return statistics.fmean(r[k] for r in sel if k in r) if any(k in r for r in sel) else math.nan
         lines.append(f"| {w} | {c} | {arm} | {len(sel)} | {m('ttft_mean'):.3f} | {m('ttft_p50'):.3f} | "
-                     f"{m('ttft_p90'):.3f} | {m('total_tps'):,.0f} | {m('output_tps'):,.0f} | "
+                     f"{m('ttft_p90'):.3f} | {m('tpot_mean') * 1e3:.0f} | {m('total_tps'):,.0f} | {m('output_tps'):,.0f} | "
                      f"{m('prefix_hit_ratio'):.2f} | {m('decision_p50_us'):.0f} |")
+    return "\n".join(lines)
+
+
+def versus_rr(rows: list[dict[str, Any]]) -> str:
+    """Mean TTFT (and P50) reduction and total-throughput ratio of each arm against round-robin,
+    per (workload, sessions), seeds averaged first."""
+    lines = ["| workload | sessions | arm | mean TTFT vs RR | P50 TTFT vs RR | total tok/s vs RR |", "|---|---|---|---|---|---|"]
+    keys = sorted({(r.get("workload", "agentic"), r["concurrency"]) for r in rows if "arm" in r})
+    for w, c in keys:
+        def m(arm: str, k: str, w: str = w, c: int = c) -> float:
+            sel = [r[k] for r in rows if r.get("workload", "agentic") == w and r["concurrency"] == c
+                   and r.get("arm") == arm]
+            return statistics.fmean(sel) if sel else math.nan
+        for arm in ARMS[1:]:
+            if math.isnan(m(arm, "ttft_mean")) or math.isnan(m("round-robin", "ttft_mean")):
+                continue
+            lines.append(f"| {w} | {c} | {arm} | {100 * (m(arm, 'ttft_mean') / m('round-robin', 'ttft_mean') - 1):+.0f}% | "
+                         f"{100 * (m(arm, 'ttft_p50') / m('round-robin', 'ttft_p50') - 1):+.0f}% | "
+                         f"{m(arm, 'total_tps') / m('round-robin', 'total_tps'):.2f}x |")
     return "\n".join(lines)
 
 
@@ -284,18 +327,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--sim-replicas", type=int, default=1000)
-    ap.add_argument("--sim-per-replica", type=float, nargs="+", default=[3, 6, 9],
-                    help="agentic concurrency sweep, in sessions per replica")
-    ap.add_argument("--sat-per-replica", type=float, default=9,
-                    help="the sweep point run with all seeds (round-robin's saturation point)")
+    ap.add_argument("--sim-per-replica", type=float, nargs="+", default=[],
+                    help="agentic concurrency sweep, in sessions per replica (one seed, --sweep-arms)")
+    ap.add_argument("--sweep-arms", nargs="+", default=ARMS)
+    ap.add_argument("--arms", nargs="+", default=ARMS, help="arms run at the saturation point")
+    ap.add_argument("--sat-per-replica", type=float, default=10,
+                    help="round-robin's saturation point in sessions per replica: all arms, all seeds")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sim-duration", type=float, default=10.0)
-    ap.add_argument("--sim-warmup", type=float, default=3.0)
-    ap.add_argument("--sim-block", type=int, default=64,
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--sim-duration", type=float, default=300.0, help="simulated seconds (agentic)")
+    ap.add_argument("--sim-warmup", type=float, default=150.0, help="of which warm-up (agentic)")
+    ap.add_argument("--sim-block", type=int, default=128,
                     help="block size in the simulator (coarser than the engine's 16 to keep 1,000 replicas fast)")
+    ap.add_argument("--kv-tokens", type=int, default=AGENTIC_KV_TOKENS, help="KV capacity per replica (agentic)")
+    ap.add_argument("--scrape-interval", type=float, default=1.0,
+                    help="seconds between the simulated router's metric scrapes (the router's default)")
     ap.add_argument("--system-tokens", type=int, default=AgenticWorkload.system_tokens)
-    ap.add_argument("--tool-tokens", type=int, default=AgenticWorkload.tool_tokens)
+    ap.add_argument("--session-tokens", type=int, default=AgenticWorkload.session_tokens)
+    ap.add_argument("--input-tokens", type=int, default=AgenticWorkload.tool_tokens)
     ap.add_argument("--output-tokens", type=int, default=AgenticWorkload.output_tokens)
+    ap.add_argument("--tool-latency-mean", type=float, default=AgenticWorkload.tool_latency_mean_s)
     ap.add_argument("--workloads", nargs="+", default=["agentic", "shared-prefix"])
     ap.add_argument("--calibrate", metavar="URL", help="measure a running replica instead of using CALIBRATED")
     ap.add_argument("--real", type=int, default=0, metavar="N", help="also bench N real engine replicas")
@@ -314,18 +365,20 @@ def main(argv: list[str] | None = None) -> int:
 
         from torchbridge.route.calibrate import calibrate
 
-        cal.update(asdict(calibrate(args.calibrate).model))
+        cal.update({k: v for k, v in asdict(calibrate(args.calibrate).model).items() if v is not None})
         print("calibrated:", cal)
     results: dict[str, Any] = {"calibration": cal, "argv": sys.argv[1:]}
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.no_sim:
         results["sim"] = run_sim(args, cal)
         print(table(results["sim"]))
+        print(versus_rr(results["sim"]))
         results["sim_plots"] = plots(results["sim"], f"sim{args.tag}")
     if args.real:
         results["real"] = run_real(args)
         real_rows = [r for r in results["real"] if "arm" in r]
         print(table(real_rows))
+        print(versus_rr(real_rows))
         results["real_plots"] = plots(real_rows, f"real{args.tag}")
     mode = ("sim" if not args.no_sim else "") + ("real" if args.real else "")
     path = OUT / f"route-results-{mode}{args.tag}.json"

@@ -112,7 +112,8 @@ def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:
 def _agentic(profile: str) -> dict[str, float]:
     models = {f"r{i}": ReplicaModel(kv_blocks=2048) for i in range(8)}
     sim = Simulator(EndpointPicker(parse_config({}), seed=1), models, profile)
-    wl = AgenticWorkload(system_tokens=512, first_user_tokens=256, tool_tokens=128, output_tokens=32, turns=(3, 6))
+    wl = AgenticWorkload(system_tokens=512, first_user_tokens=256, tool_tokens=128, output_tokens=32, turns=(3, 6),
+                         tool_latency_mean_s=1.4)
     return summarize(run_agentic(sim, wl, concurrency=24, duration_s=30, warmup_s=5, seed=3))
 
 
@@ -130,3 +131,120 @@ def test_shared_prefix_workload_runs_and_hits() -> None:
     res = summarize(run_shared_prefix(sim, SharedPrefixWorkload(groups=4, prefix_tokens=512, suffix_tokens=64),
                                       concurrency=8, duration_s=10, warmup_s=2, seed=0))
     assert res["prefix_hit_ratio"] > 0.6  # 512 of 576 tokens are a shared prefix
+
+
+# -- KV block pool, eviction-driven recompute, chunked prefill, scrape lag -----------------------
+
+
+def test_shared_prefix_blocks_counted_once_in_kv() -> None:
+    # kv 12 blocks of 16. a and b share 8 prompt blocks (128 tokens); each has 16 more prompt tokens
+    # (1 block) and 16 output tokens (1 block): 10 blocks each if counted separately (20 > 12), but
+    # with the 8 shared blocks counted once they need 8 + 2 + 2 = 12: both run at the same time.
+    sim = one_replica(max_batch=2, kv_blocks=12)
+    shared = list(range(128))
+    a = req(1, shared + list(range(1000, 1016)), 16)
+    b = req(2, shared + list(range(2000, 2016)), 16, t=0.2)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    # a: prefill 144 tokens = 0.144 s, then decodes every 0.01 s. b arrives at 0.2 and is admitted
+    # at the next step boundary 0.204 (a is mid-decode, not finished at 0.294): b hits 128 tokens.
+    assert b.cached_tokens == 128
+    assert b.first_token == pytest.approx(0.204 + 0.01 + 16 / 1000)
+    assert b.first_token < a.finish
+
+
+def test_evicted_context_is_recomputed_in_full() -> None:
+    # kv 10 blocks. a (8 prompt blocks + 1 output block) finishes and leaves its 8 prompt blocks cached.
+    # c (unrelated, 8 prompt blocks + 1 output) needs 9 of the 10 blocks, so 7 of a's cached blocks are
+    # evicted, tail first: only a's first block survives. a2 (a's prompt + 16 new tokens) then hits
+    # 1 block (16 tokens) and recomputes the remaining 128 + 16 - 16 = 128 tokens.
+    sim = one_replica(kv_blocks=10)
+    a_tokens = list(range(128))
+    a = req(1, a_tokens, 1)
+    c = req(2, list(range(5000, 5128)), 1, t=1.0)
+    a2 = req(3, a_tokens + list(range(9000, 9016)), 1, t=2.0)
+    for r in (a, c, a2):
+        submit_at(sim, r)
+    sim.run()
+    assert a.cached_tokens == 0 and c.cached_tokens == 0
+    assert a2.cached_tokens == 16
+    assert a2.ttft == pytest.approx(128 / 1000)  # charged for every evicted token
+    # With room for both, nothing is evicted and a2 only computes its 16 new tokens.
+    sim = one_replica(kv_blocks=100)
+    a, c, a2 = req(1, a_tokens, 1), req(2, list(range(5000, 5128)), 1, t=1.0), req(3, a_tokens + list(range(9000, 9016)), 1, t=2.0)
+    for r in (a, c, a2):
+        submit_at(sim, r)
+    sim.run()
+    assert a2.cached_tokens == 128 and a2.ttft == pytest.approx(16 / 1000)
+
+
+def test_in_use_blocks_are_never_evicted() -> None:
+    # a holds 9 of 10 blocks while decoding. c, arriving meanwhile, needs 9 more: it must wait for a
+    # to finish instead of evicting a's in-use blocks.
+    sim = one_replica(max_batch=2, kv_blocks=10)
+    a = req(1, list(range(128)), 10)
+    c = req(2, list(range(5000, 5128)), 1, t=0.15)
+    submit_at(sim, a)
+    submit_at(sim, c)
+    sim.run()
+    # a: prefill 0.128, 9 decode steps of 0.01 -> finish 0.218; c prefills 128 tokens after that.
+    assert a.finish == pytest.approx(0.218)
+    assert c.first_token == pytest.approx(0.218 + 0.128)
+
+
+def test_output_blocks_join_the_prefix_cache() -> None:
+    sim = one_replica()
+    prompt, reply = list(range(100)), list(range(7000, 7028))  # 100 + 28 = 128 tokens = 8 full blocks
+    full = prompt + reply
+    a = SimRequest(1, block_hashes(prompt, 16), 100, 28, 0.0, final_hashes=block_hashes(full, 16))
+    nxt = full + list(range(8000, 8016))
+    b = req(2, nxt, 1, t=5.0)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    assert b.cached_tokens == 128 and b.ttft == pytest.approx(16 / 1000)
+
+
+def test_chunked_prefill_interleaves_decodes() -> None:
+    # Budget 100 tokens per step. a (50 prompt tokens, 5 output) is decoding when b (250 tokens)
+    # arrives. Each step then decodes a (1 token) and prefills 99 of b's tokens: 0.01 + 0.099.
+    sim = one_replica(max_batch=2, max_batched_tokens=100)
+    a = req(1, list(range(50)), 5)
+    b = req(2, list(range(1000, 1250)), 1, t=0.051)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    # a: prefill 50 tokens in one step -> first token 0.05; decode step boundary at 0.06 admits b.
+    # Steps from 0.06: [a, b:99] 0.109 -> 0.169; [a, b:99] -> 0.278; [a, b:52] 0.062 -> 0.340 (b's
+    # first token, a has 1 + 1 + 3 = 5 tokens: done).
+    assert a.first_token == pytest.approx(0.05)
+    assert b.first_token == pytest.approx(0.06 + 0.109 + 0.109 + 0.062)
+    assert a.finish == pytest.approx(0.340)
+    # Without a budget the whole prompt goes in one step: 0.06 + 0.01 + 0.25.
+    sim = one_replica(max_batch=2)
+    a, b = req(1, list(range(50)), 5), req(2, list(range(1000, 1250)), 1, t=0.051)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    assert b.first_token == pytest.approx(0.32)
+
+
+def test_scrape_lag_hides_load_until_the_next_scrape() -> None:
+    m = ReplicaModel(prefill_tps=1000.0, decode_base_s=0.01, decode_per_seq_s=0.0, max_batch=1, kv_blocks=1000)
+    picker = EndpointPicker(parse_config({}), seed=0)
+    sim = Simulator(picker, {"r0": m}, "round-robin", scrape_interval_s=0.5)
+    a = req(1, list(range(100)), 50)  # busy from 0 to 0.1 + 49 * 0.01 = 0.59
+    submit_at(sim, a)
+    seen = []
+    for t in (0.05, 0.45, 0.55):
+        sim.at(t, lambda: seen.append(float(picker.pool.running[0])))
+    sim.run()
+    assert seen == [0.0, 0.0, 1.0]  # first scrape at 0.5
+
+
+def test_agentic_tool_latency_mean() -> None:
+    wl = AgenticWorkload()
+    rng = random.Random(0)
+    xs = [rng.lognormvariate(wl.tool_latency_mu, wl.tool_latency_sigma) for _ in range(200000)]
+    assert sum(xs) / len(xs) == pytest.approx(15.0, rel=0.02)

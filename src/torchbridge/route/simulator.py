@@ -1,19 +1,30 @@
 """A discrete-event simulator of a replica pool behind the real `EndpointPicker`.
 
-Replica model (continuous batching, vLLM-like, no chunked prefill):
-  * a FIFO waiting queue; at each step boundary waiting requests are admitted while the batch
-    has fewer than `max_batch` sequences and their KV blocks (prompt + max output) fit;
-  * a step that admits requests takes decode_step(running) + uncached_prompt_tokens /
-    prefill_tps; it gives every running sequence one token and the admitted ones their first;
-  * a pure decode step takes decode_base_s + decode_per_seq_s * batch;
-  * the prefix cache is an LRU of block hashes sized to `kv_blocks` (the replica's ground truth,
-    separate from the router's approximate index); a request's cached tokens are its longest
-    cached prefix at admission.
+Replica model (continuous batching like torchbridge.serve's scheduler and vLLM):
+  * a FIFO waiting queue; each engine step first serves the running sequences in admission order
+    (a decode is one token; a sequence still prefilling gets its next chunk), then admits waiting
+    requests while the step's token budget (`max_batched_tokens`, None = unlimited, i.e. no
+    chunked prefill), the batch (`max_batch`) and free KV blocks last;
+  * a step takes step_overhead_s + decode_step(decoding sequences) + prefill_tokens / prefill_tps,
+    where prefill_tokens counts only uncached prompt tokens: a request's prefill costs its
+    uncached tokens, and every decoding sequence on the replica waits for it (a long re-prefill
+    slows the whole batch, chunked or not);
+  * KV memory is a block pool of `kv_blocks` blocks, as in the engine's block manager: blocks are
+    reference counted, so a prefix cached once (the system prompt) is shared by every sequence that
+    uses it; a request reserves the blocks for its prompt and its whole output at admission (the
+    engine allocates output blocks lazily and preempts instead; reserving is the conservative
+    version and needs no preemption); the full blocks of its prompt join the prefix cache when its
+    prefill completes, those of prompt + output when it finishes; blocks nobody references stay
+    cached and are evicted least recently freed first (a released chain tail before its head) only
+    when an allocation needs room. Prefix cache and running sequences therefore compete for the
+    same `kv_blocks`: a context evicted under memory pressure is recomputed in full next time;
+  * a request's cached tokens are its longest cached prefix at admission (at least one prompt
+    token is always computed, as in the engine).
 
-Decode is simulated in epochs (one event per batch change, not per token), so 1,000 replicas
-and ~100k requests run in tens of seconds. The router's load table is updated as the simulated
-replicas change, i.e. the simulated router sees perfectly fresh metrics (a real router scrapes
-with a lag); its own in-flight accounting is exactly the proxy's.
+Pure-decode stretches are simulated in epochs (one event per batch change, not per token), so
+1,000 replicas run in minutes. The router's load table is written from the simulated replicas
+either at once (`scrape_interval_s=0`: perfectly fresh metrics) or by a periodic scrape of all
+replicas (a real router's view); its in-flight accounting is exactly the proxy's, at once.
 """
 
 from __future__ import annotations
@@ -21,11 +32,13 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .index import BlockIndex, block_hashes
+import numpy as np
+
+from .index import block_hashes
 from .picker import Decision, EndpointPicker
 
 
@@ -37,7 +50,8 @@ class ReplicaModel:
     kv_blocks: int = 4096
     block_size: int = 16
     max_batch: int = 32
-    step_overhead_s: float = 0.0       # fixed cost added to a prefill step
+    step_overhead_s: float = 0.0       # fixed cost added to a step that prefills
+    max_batched_tokens: int | None = None  # token budget per step (chunked prefill); None = unlimited
 
     def decode_step(self, batch: int) -> float:
         return self.decode_base_s + self.decode_per_seq_s * batch if batch else 0.0
@@ -52,6 +66,9 @@ class SimRequest:
     arrival: float
     session: str | None = None
     on_done: Callable[[SimRequest], None] | None = None
+    # Chained hashes of the full blocks of prompt + output (a continuation of `hashes`); when
+    # given, the output's blocks join the replica's prefix cache at finish, as in the engine.
+    final_hashes: list[int] | None = None
     # filled in by the simulation
     replica: str = ""
     decision: Decision | None = None
@@ -60,11 +77,84 @@ class SimRequest:
     first_token: float = math.nan
     finish: float = math.nan
     blocks: int = 0
+    prefill_left: int = 0
     decision_latency_s: float = 0.0
+    own: list[int] = field(default_factory=list)   # hashed KV blocks it references
+    anon: int = 0                                  # KV blocks it holds that carry no hash
 
     @property
     def ttft(self) -> float:
         return self.first_token - self.arrival
+
+
+class BlockPool:
+    """KV blocks of one replica: hashed blocks in use (reference counted), unreferenced cached
+    blocks in LRU order, and a count of in-use blocks without a hash; what is left is empty."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self.n_blocks = n_blocks
+        self.ref: dict[int, int] = {}
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
+        self.anon = 0
+        self.evicted = 0             # cached blocks dropped to make room (a counter, for reports)
+
+    @property
+    def used(self) -> int:
+        return len(self.ref) + self.anon
+
+    def cached_prefix(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h in self.ref or h in self.free_cached:
+                n += 1
+            else:
+                break
+        return n
+
+    def fits(self, hashes: list[int], hit: int, total: int) -> bool:
+        revive = sum(1 for h in hashes[:hit] if h in self.free_cached)
+        return total - hit + revive <= self.n_blocks - self.used
+
+    def take(self, req: SimRequest, hit: int, total: int) -> None:
+        for h in req.hashes[:hit]:
+            if h in self.free_cached:
+                del self.free_cached[h]
+            self.ref[h] = self.ref.get(h, 0) + 1
+        req.own = list(req.hashes[:hit])
+        req.anon = total - hit
+        self.anon += req.anon
+        self._evict()
+
+    def commit(self, req: SimRequest, hashes: list[int]) -> None:
+        """The request's blocks from len(req.own) up to len(hashes) now hold those hashes.
+        A hash some other block already holds stays on an anonymous duplicate (engine rule)."""
+        for h in hashes[len(req.own):]:
+            if req.anon == 0:
+                break
+            if h in self.ref or h in self.free_cached:
+                continue
+            self.ref[h] = 1
+            req.anon -= 1
+            self.anon -= 1
+            req.own.append(h)
+
+    def release(self, req: SimRequest) -> None:
+        for h in reversed(req.own):
+            n = self.ref[h] - 1
+            if n:
+                self.ref[h] = n
+            else:
+                del self.ref[h]
+                self.free_cached[h] = None
+        self.anon -= req.anon
+        req.own, req.anon = [], 0
+
+    def _evict(self) -> None:
+        over = self.used + len(self.free_cached) - self.n_blocks
+        while over > 0 and self.free_cached:
+            self.free_cached.popitem(last=False)
+            self.evicted += 1
+            over -= 1
 
 
 class SimReplica:
@@ -74,14 +164,18 @@ class SimReplica:
         self.sim = sim
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.cache = BlockIndex()
-        self.cache.add_replica(name, model.kv_blocks)
-        self.kv_used = 0
-        self.mode = "idle"           # idle | prefill | decode
+        self.pool = BlockPool(model.kv_blocks)
+        self.mode = "idle"           # idle | step | decode
+        self.plan: list[tuple[SimRequest, int]] = []
         self.epoch_start = 0.0
         self.step = 0.0
         self.version = 0
         self.next_event = math.inf
+        self.prefill_tokens = 0      # uncached prompt tokens computed (a counter, for reports)
+
+    @property
+    def kv_used(self) -> int:
+        return self.pool.used
 
     # -- scheduling ----------------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
@@ -90,6 +184,7 @@ class SimReplica:
         if self.mode == "idle":
             self._schedule(now, self._boundary)
         elif self.mode == "decode" and len(self.running) < self.m.max_batch:
+            # A pure-decode epoch is one event; stop it at the next step boundary to admit.
             k = math.ceil((now - self.epoch_start) / self.step - 1e-9)
             t = self.epoch_start + k * self.step
             if t < self.next_event - 1e-12:
@@ -102,16 +197,26 @@ class SimReplica:
         v = self.version
         self.sim.at(t, lambda: fn() if v == self.version else None)
 
-    def _advance_decode(self) -> None:
+    def _boundary(self) -> None:
+        now = self.sim.now
         if self.mode == "decode":
-            steps = int(round((self.sim.now - self.epoch_start) / self.step))
+            steps = int(round((now - self.epoch_start) / self.step))
             for r in self.running:
                 r.generated += steps
-
-    def _boundary(self) -> None:
-        self._advance_decode()
+        elif self.mode == "step":
+            for r, n in self.plan:
+                if r.prefill_left:
+                    r.prefill_left -= n
+                    if not r.prefill_left:
+                        r.generated = 1
+                        r.first_token = now
+                        self.pool.commit(r, r.hashes)
+                        self.sim.first_token(r)
+                else:
+                    r.generated += 1
+        self.plan = []
         self._finish_done()
-        self._admit_or_decode()
+        self._next()
 
     def _finish_done(self) -> None:
         now = self.sim.now
@@ -119,34 +224,53 @@ class SimReplica:
         for r in self.running:
             if r.generated >= r.max_tokens:
                 r.finish = now
-                self.kv_used -= r.blocks
+                if r.final_hashes is not None:
+                    self.pool.commit(r, r.final_hashes)
+                self.pool.release(r)
                 self.sim.finished(r)
             else:
                 still.append(r)
         self.running = still
 
-    def _admit_or_decode(self) -> None:
+    def _next(self) -> None:
         m = self.m
-        admitted: list[SimRequest] = []
-        uncached = 0
-        while self.waiting and len(self.running) + len(admitted) < m.max_batch:
+        budget = m.max_batched_tokens if m.max_batched_tokens is not None else math.inf
+        plan: list[tuple[SimRequest, int]] = []
+        n_decode = prefill = 0
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.prefill_left:
+                n = int(min(r.prefill_left, budget))
+                prefill += n
+            else:
+                n = 1
+                n_decode += 1
+            plan.append((r, n))
+            budget -= n
+        pool = self.pool
+        while self.waiting and budget > 0 and len(self.running) < m.max_batch:
             r = self.waiting[0]
-            need = -(-(r.n_prompt + r.max_tokens) // m.block_size)
-            if self.kv_used + need > m.kv_blocks and (self.running or admitted):
+            total = -(-(r.n_prompt + r.max_tokens) // m.block_size)
+            hit = pool.cached_prefix(r.hashes)
+            if not pool.fits(r.hashes, hit, total) and (self.running or plan):
                 break  # wait for memory; a lone oversized request is admitted anyway
             self.waiting.popleft()
-            groups = self.cache.match_groups(r.hashes)
-            hit = groups[0][1] if groups else 0
+            pool.take(r, hit, total)
+            r.blocks = total
             r.cached_tokens = min(hit * m.block_size, max(0, r.n_prompt - 1))
-            uncached += r.n_prompt - r.cached_tokens
-            r.blocks = need
-            self.kv_used += need
-            self.cache.insert(self.name, r.hashes)
-            admitted.append(r)
-        if admitted:
-            self.mode = "prefill"
-            dt = m.step_overhead_s + m.decode_step(len(self.running)) + uncached / m.prefill_tps
-            self._schedule(self.sim.now + dt, lambda: self._prefill_done(admitted))
+            r.prefill_left = r.n_prompt - r.cached_tokens
+            n = int(min(r.prefill_left, budget))
+            prefill += n
+            budget -= n
+            plan.append((r, n))
+            self.running.append(r)
+        self.prefill_tokens += prefill
+        if prefill:
+            self.mode = "step"
+            self.plan = plan
+            dt = m.step_overhead_s + m.decode_step(n_decode) + prefill / m.prefill_tps
+            self._schedule(self.sim.now + dt, self._boundary)
         elif self.running:
             self.mode = "decode"
             self.epoch_start = self.sim.now
@@ -159,33 +283,23 @@ class SimReplica:
             self.next_event = math.inf
         self._publish()
 
-    def _prefill_done(self, admitted: list[SimRequest]) -> None:
-        now = self.sim.now
-        for r in self.running:
-            r.generated += 1
-        for r in admitted:
-            r.generated = 1
-            r.first_token = now
-            self.sim.first_token(r)
-        self.running.extend(admitted)
-        self.mode = "between"
-        self._finish_done()
-        self._admit_or_decode()
-
     def _publish(self) -> None:
-        """What a scrape of this replica would report, written straight into the router's table."""
-        pool = self.sim.picker.pool
-        slot = pool.slots.get(self.name)
+        """What a scrape of this replica would report: into the router's table at once, or into
+        the simulator's scrape buffer that a periodic scrape copies over."""
+        slot = self.sim.picker.pool.slots.get(self.name)
         if slot is not None:
-            pool.queue[slot] = len(self.waiting)
-            pool.running[slot] = len(self.running)
-            pool.kv_usage[slot] = min(1.0, self.kv_used / self.m.kv_blocks)
+            q, run, kv = self.sim.scraped if self.sim.scrape_interval_s else (
+                self.sim.picker.pool.queue, self.sim.picker.pool.running, self.sim.picker.pool.kv_usage)
+            q[slot] = len(self.waiting)
+            run[slot] = len(self.running)
+            kv[slot] = min(1.0, self.pool.used / self.m.kv_blocks)
 
 
 class Simulator:
     """Event loop + pool. Drive it with `submit()` from workload callbacks, then `run(until)`."""
 
-    def __init__(self, picker: EndpointPicker, models: dict[str, ReplicaModel], profile: str | None = None) -> None:
+    def __init__(self, picker: EndpointPicker, models: dict[str, ReplicaModel], profile: str | None = None,
+                 scrape_interval_s: float = 0.0) -> None:
         self.picker = picker
         self.profile = profile
         self.now = 0.0
@@ -193,12 +307,27 @@ class Simulator:
         self._seq = 0
         self.replicas: dict[str, SimReplica] = {}
         self.done: list[SimRequest] = []
+        self.scrape_interval_s = scrape_interval_s
         for name, model in models.items():
-            self.replicas[name] = SimReplica(name, model, self)
             picker.add_replica(name, kv_blocks=model.kv_blocks)
             slot = picker.pool.slots[name]
             picker.pool.prefill_tps[slot] = model.prefill_tps
             picker.pool.block_size[slot] = model.block_size
+        n = len(picker.pool.names)
+        self.scraped = (np.zeros(n), np.zeros(n), np.zeros(n))
+        for name, model in models.items():
+            self.replicas[name] = SimReplica(name, model, self)
+        if scrape_interval_s:
+            self.at(scrape_interval_s, self._scrape)
+
+    def _scrape(self) -> None:
+        pool = self.picker.pool
+        q, run, kv = self.scraped
+        pool.queue[:len(q)] = q
+        pool.running[:len(run)] = run
+        pool.kv_usage[:len(kv)] = kv
+        if self._q:  # keep scraping while anything else is scheduled
+            self.at(self.now + self.scrape_interval_s, self._scrape)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         self._seq += 1
@@ -220,6 +349,8 @@ class Simulator:
     def finished(self, req: SimRequest) -> None:
         if req.decision is not None:
             self.picker.on_finish(req.decision)
+            req.decision.hashes = []
+        req.hashes, req.final_hashes = [], None  # done with them; thousands of long chains add up
         self.done.append(req)
         if req.on_done is not None:
             cb = req.on_done
@@ -243,16 +374,25 @@ class Simulator:
 
 @dataclass
 class AgenticWorkload:
-    """Coding-agent sessions: shared system prompt, a context that grows by a user/tool message
-    and the model's reply every turn, lognormal tool latency between turns."""
+    """Coding-agent sessions, shaped like llm-d's published agentic benchmark (inference-perf
+    `conversation_replay`): a shared system prompt, an optional per-conversation prompt, then
+    turns that each append new input (user message / tool result) to the context, get the model's
+    reply appended too, and wait a lognormal tool latency before the next turn. A finished
+    session is replaced by a new one (closed loop, as inference-perf's conversation slots)."""
 
-    system_tokens: int = 4000        # instructions + tool schemas, identical for every session
-    first_user_tokens: int = 400
-    tool_tokens: int = 500           # tool output (file contents, test logs) before each later turn
-    output_tokens: int = 100
-    turns: tuple[int, int] = (6, 14)
-    tool_latency_median_s: float = 1.0
-    tool_latency_sigma: float = 0.8
+    system_tokens: int = 3000        # shared system prompt (llm-d: 3,000 tokens)
+    session_tokens: int = 0          # per-conversation prompt after it (inference-perf's
+                                     # dynamic_system_prompt_len; llm-d gives no number)
+    first_user_tokens: int = 1500    # new input in the first turn (llm-d: ~1,500 per turn)
+    tool_tokens: int = 1500          # new input in every later turn (llm-d: ~1,500 per turn)
+    output_tokens: int = 425         # the model's reply per turn (llm-d: 425)
+    turns: tuple[int, int] = (5, 15)  # uniform; mean 10 = inference-perf's default turns per conversation
+    tool_latency_mean_s: float = 15.0  # lognormal (llm-d: mean 15 s)
+    tool_latency_sigma: float = 0.8    # log-space sigma (not published; CV 0.95)
+
+    @property
+    def tool_latency_mu(self) -> float:
+        return math.log(self.tool_latency_mean_s) - self.tool_latency_sigma ** 2 / 2
 
 
 @dataclass
@@ -268,11 +408,23 @@ class SharedPrefixWorkload:
 
 @dataclass
 class _Session:
+    """A conversation's context, kept as its block-hash chain plus the tokens of its trailing partial
+    block (whole token lists of thousands of sessions with 30k-token contexts would not fit in memory)."""
+
     sid: str
-    tokens: list[int]
+    tail: list[int]              # tokens after the last full block
     hashes: list[int]
     turns_left: int
-    hashed_blocks: int = 0
+    n_tokens: int = 0
+
+    def extend(self, tokens: list[int], block_size: int) -> None:
+        self.n_tokens += len(tokens)
+        self.tail.extend(tokens)
+        full = len(self.tail) // block_size
+        if full:
+            self.hashes.extend(block_hashes(self.tail[:full * block_size], block_size,
+                                            self.hashes[-1] if self.hashes else 0))
+            del self.tail[:full * block_size]
 
 
 @dataclass
@@ -282,6 +434,8 @@ class RunResult:
     warmup_s: float
     decision_latencies: list[float] = field(default_factory=list)
     hit_ratio: float = 0.0
+    evicted_blocks: int = 0
+    prefill_tokens: int = 0
 
 
 class _TokenSource:
@@ -298,15 +452,6 @@ class _TokenSource:
         return out
 
 
-def _extend_hashes(s: _Session, block_size: int) -> None:
-    full = len(s.tokens) // block_size
-    if full > s.hashed_blocks:
-        parent = s.hashes[-1] if s.hashes else 0
-        tail = s.tokens[s.hashed_blocks * block_size: full * block_size]
-        s.hashes.extend(block_hashes(tail, block_size, parent))
-        s.hashed_blocks = full
-
-
 def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_s: float,
                 warmup_s: float, seed: int) -> RunResult:
     rng = random.Random(seed)
@@ -315,31 +460,33 @@ def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_
     bs = sim.picker.block_size
     system_hashes = block_hashes(system, bs)
     rid = [0]
-    mu = math.log(wl.tool_latency_median_s)
+    mu = wl.tool_latency_mu
     nsess = [0]
 
     def new_session() -> _Session:
         nsess[0] += 1
-        return _Session(f"s{nsess[0]}", list(system) + src.take(wl.first_user_tokens), list(system_hashes),
-                        rng.randint(*wl.turns), hashed_blocks=len(system_hashes))
+        s = _Session(f"s{nsess[0]}", system[len(system_hashes) * bs:], list(system_hashes), rng.randint(*wl.turns),
+                     n_tokens=len(system))
+        s.extend(src.take(wl.session_tokens + wl.first_user_tokens), bs)
+        return s
 
     def send(s: _Session) -> None:
         if sim.now >= duration_s:
             return
-        _extend_hashes(s, bs)
+        n_prompt, prompt_hashes = s.n_tokens, list(s.hashes)
+        s.extend(src.take(wl.output_tokens), bs)  # the reply, decided now so its blocks can be cached
         rid[0] += 1
-        req = SimRequest(rid[0], list(s.hashes), len(s.tokens), wl.output_tokens, sim.now, s.sid,
-                         on_done=lambda r: after(s, r))
+        req = SimRequest(rid[0], prompt_hashes, n_prompt, wl.output_tokens, sim.now, s.sid,
+                         on_done=lambda r: after(s, r), final_hashes=list(s.hashes))
         sim.submit(req)
 
     def after(s: _Session, r: SimRequest) -> None:
-        s.tokens.extend(src.take(r.max_tokens))  # the model's reply joins the context
         s.turns_left -= 1
         if s.turns_left <= 0:
             nxt = new_session()
             sim.at(sim.now + rng.lognormvariate(mu, wl.tool_latency_sigma), lambda: send(nxt))
             return
-        s.tokens.extend(src.take(wl.tool_tokens))
+        s.extend(src.take(wl.tool_tokens), bs)
         sim.at(sim.now + rng.lognormvariate(mu, wl.tool_latency_sigma), lambda: send(s))
 
     for _ in range(concurrency):
@@ -348,11 +495,11 @@ def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_
         # staggered times, so the pool is in steady state after a short warm-up, not in lock-step.
         done = rng.randrange(s.turns_left)
         for _ in range(done):
-            s.tokens.extend(src.take(wl.output_tokens + wl.tool_tokens))
+            s.extend(src.take(wl.output_tokens + wl.tool_tokens), bs)
         s.turns_left -= done
-        start = rng.uniform(0, min(warmup_s, 2.0 * wl.tool_latency_median_s) or 0.01)
+        start = rng.uniform(0, min(warmup_s, 2.0 * wl.tool_latency_mean_s) or 0.01)
         sim.at(start, lambda s=s: send(s))
-    sim.run(until=duration_s + 600.0)
+    sim.run(until=duration_s + 900.0)
     return _result(sim, duration_s, warmup_s)
 
 
@@ -381,13 +528,15 @@ def run_shared_prefix(sim: Simulator, wl: SharedPrefixWorkload, concurrency: int
 
     for _ in range(concurrency):
         sim.at(rng.uniform(0, wl.think_median_s), send)
-    sim.run(until=duration_s + 600.0)
+    sim.run(until=duration_s + 900.0)
     return _result(sim, duration_s, warmup_s)
 
 
 def _result(sim: Simulator, duration_s: float, warmup_s: float) -> RunResult:
     return RunResult(list(sim.done), duration_s, warmup_s,
-                     [r.decision_latency_s for r in sim.done], sim.picker.hit_ratio())
+                     [r.decision_latency_s for r in sim.done], sim.picker.hit_ratio(),
+                     sum(r.pool.evicted for r in sim.replicas.values()),
+                     sum(r.prefill_tokens for r in sim.replicas.values()))
 
 
 def summarize(res: RunResult) -> dict[str, float]:
