@@ -93,15 +93,39 @@ def _is_dev(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == STATE.name
 
 
+def _has_bits(t: torch.Tensor) -> bool:
+    """Whether `t` is a lazy conjugate or negative view (its storage holds conj(value) / -value)."""
+    return t.is_conj() or t.is_neg()
+
+
+def _host_with_bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s storage values on the CPU, carrying `t`'s conj/neg bits, so CPU kernels apply them."""
+    host = to_host(t)
+    if t.is_neg():
+        host = torch._neg_view(host)
+    if t.is_conj():
+        host = host.conj()
+    return host
+
+
 @direct(aten.copy_.default)
 def _copy_(op, args, kwargs):
     self, src = args[0], args[1]
     if _is_dev(self):
         if _is_dev(src) and src.device != self.device:
-            src = to_host(src)  # device -> device through host keeps it simple and correct
-        return dispatch.run(aten.copy_.default, (self, src) + tuple(args[2:]), kwargs)
+            src = _host_with_bits(src)  # device -> device through host keeps it simple and correct
+        if not _is_dev(src) and _has_bits(src):
+            src = src.resolve_conj().resolve_neg()  # on the CPU
+        res = dispatch.run(aten.copy_.default, (self, src) + tuple(args[2:]), kwargs)
+        # The program copied storage values. Where self and src differ in a conj/neg bit, self's
+        # storage must hold the conjugate/negation of them: what CPU's copy_ does after copying.
+        if self.is_conj() != src.is_conj():
+            dispatch.run(aten.conj_physical_.default, (self,), {})
+        if self.is_neg() != src.is_neg():
+            dispatch.run(aten.neg_.default, (self,), {})
+        return res
     # self on CPU, src on the device
-    self.copy_(to_host(src))
+    self.copy_(_host_with_bits(src))
     return self
 
 
@@ -109,6 +133,13 @@ def _copy_(op, args, kwargs):
 # available); a boxed Python *fallback* cannot serve that path (it trips an internal assert in
 # torch's Python-kernel trampoline), so they also get explicit device kernels.
 registry.KERNEL_OVERRIDES.update({"_copy_from", "_copy_from_and_resize"})
+# They also must pass PyTorch's conjugate/negative fallbacks untouched (register_kernels makes them
+# fallthroughs there, as copy_ and clone already are): those fallbacks resolve a lazy conj/neg input with
+# clone(), whose copy_ calls _copy_from for an out-of-tree device again, recursing until the C++ stack
+# overflows (the segfault of `x.conj().cpu()`). CPU and CUDA copies never call _copy_from, so only
+# out-of-tree devices see the change; ours applies the bits itself (_copy_ above).
+_MATH_BIT_KEYS = ("Conjugate", "Negative")
+_COPY_FROM = ("_copy_from", "_copy_from_and_resize")
 
 
 @direct(aten._copy_from.default)
@@ -170,6 +201,61 @@ def _index_masks(op, args, kwargs):
                 expanded.append(i)
         args = (args[0], expanded) + tuple(args[2:])
     return dispatch.run(op, args, kwargs)
+
+
+# ---- lazy conj/neg views -------------------------------------------------------------------------
+
+# `x.conj()` and `x.conj().imag` are views with a conj/neg bit: the storage is shared and readers apply
+# the operation. PyTorch's Conjugate/Negative fallbacks resolve such inputs for most ops before they get
+# here; the ops below are let through those fallbacks (CPU/CUDA BLAS read the bits as transpose flags,
+# and the repeat_interleave/conj_physical kernels handle them), but our lowerings read storage values,
+# so the bits are resolved here first: inputs become resolved copies, and a mutated argument with a bit
+# set is computed into a resolved copy and copied back (copy_ re-applies its bits), as the fallbacks do.
+_MATH_BIT_OPS = [
+    getattr(getattr(aten, packet), overload)
+    for packet, overloads in (
+        ("mm", ("default", "out")), ("addmm", ("default", "out")), ("addmm_", ("default",)),
+        ("bmm", ("default", "out")), ("baddbmm", ("default", "out")), ("baddbmm_", ("default",)),
+        ("dot", ("default", "out")), ("vdot", ("default", "out")),
+        ("linalg_solve_triangular", ("default", "out")), ("linalg_svd", ("default", "U")),
+        ("repeat_interleave", ("Tensor", "self_Tensor", "self_int")),
+        ("conj_physical", ("default", "out")), ("_conj_physical", ("default",)),
+    )
+    for overload in overloads
+]
+
+
+def _any_bits(values: Any, T=torch.Tensor, conj=torch.Tensor.is_conj, neg=torch.Tensor.is_neg) -> bool:
+    # Hot for mm/addmm/bmm (well under a microsecond): these ops take no tensor lists.
+    for v in values:
+        if isinstance(v, T) and (conj(v) or neg(v)):
+            return True
+    return False
+
+
+@direct(*_MATH_BIT_OPS)
+def _resolve_math_bits(op, args, kwargs):
+    if not (_any_bits(args) or (kwargs and _any_bits(kwargs.values()))):
+        return _run_op(op, args, kwargs)
+    written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = [a.name for a in op._schema.arguments]
+    stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def resolve(name: str | None, v: Any) -> Any:
+        if not (isinstance(v, torch.Tensor) and _has_bits(v)):
+            return v
+        r = v.resolve_conj().resolve_neg()
+        if name in written:
+            stand_ins.append((v, r))
+        return r
+
+    args = tuple(resolve(names[i] if i < len(names) else None, a) for i, a in enumerate(args))
+    kwargs = {k: resolve(k, v) for k, v in kwargs.items()}
+    res = _run_op(op, args, kwargs)
+    originals = {id(r): v for v, r in stand_ins}
+    for v, r in stand_ins:
+        v.copy_(r)
+    return _map_results(lambda r: originals.get(id(r), r), res) if isinstance(res, (torch.Tensor, list, tuple)) else res
 
 
 # ---- data-dependent shapes -------------------------------------------------------------------------
@@ -265,6 +351,11 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     handler = DIRECT.get(id(op))
     if handler is not None:
         return handler(op, args, kwargs)
+    return _run_op(op, args, kwargs)
+
+
+def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The fallback past the direct handlers: lowering, then decomposition, then CPU (if enabled)."""
     info = dispatch.op_info(op)
     if info.lowering is not None:
         if getattr(info.lowering.fn, "dynamic_shape", False):
@@ -303,6 +394,9 @@ def register_kernels() -> None:
             _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
         for op in _structured_functional_ops():
             _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+        for key in _MATH_BIT_KEYS:
+            for name in _COPY_FROM:
+                _override_lib.impl(name, torch.library.fallthrough_kernel, key)
 
 
 def _structured_functional_ops() -> list[torch._ops.OpOverload]:

@@ -128,6 +128,14 @@ def bitcast_flat(buf: jnp.ndarray, dtype: jnp.dtype, count: int) -> jnp.ndarray:
     """Reinterpret a flat buffer's bytes as `count` elements of `dtype` (bool as 0/1 bytes)."""
     if buf.dtype == dtype and buf.shape[0] == count:
         return buf
+    # XLA cannot bitcast complex values; a complex element is its (real, imag) pair of floats in
+    # memory, as in PyTorch's storage (view_as_real, view(dtype) and shared storages rely on it).
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pairs = bitcast_flat(buf, _COMPONENT[dtype], 2 * count).reshape(count, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if jnp.issubdtype(buf.dtype, jnp.complexfloating):
+        return bitcast_flat(jnp.stack([jnp.real(buf), jnp.imag(buf)], axis=-1).reshape(-1), dtype, count)
     if buf.dtype == jnp.bool_:
         raw = buf.astype(jnp.uint8)
     elif buf.dtype.itemsize == 1:
@@ -144,3 +152,6 @@ def bitcast_flat(buf: jnp.ndarray, dtype: jnp.dtype, count: int) -> jnp.ndarray:
     if itemsize == 1:
         return lax.bitcast_convert_type(raw, dtype)
     return lax.bitcast_convert_type(raw.reshape(count, itemsize), dtype)
+
+
+_COMPONENT = {jnp.dtype(jnp.complex64): jnp.dtype(jnp.float32), jnp.dtype(jnp.complex128): jnp.dtype(jnp.float64)}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.scipy.special as jsp
 from jax import lax
 
-from torchbridge.device.lowerings.registry import ctx, lower
+from torchbridge.device.lowerings.registry import KERNEL_OVERRIDES, ctx, lower
 
 
 def out_dtype(i: int = 0):
@@ -162,13 +162,37 @@ def round_(a, *, decimals=0):
 
 @lower("angle")
 def angle(a):
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        return jnp.angle(a)
     x = _f(a)
     return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.asarray(jnp.pi, x.dtype), jnp.zeros_like(x)))
 
 
-@lower("positive", "conj_physical")
+@lower("positive")
 def positive(a):
     return a
+
+
+@lower("complex")
+def complex_(real, imag):
+    dt = ctx().out_dtypes[0]
+    part = jnp.real(jnp.zeros((), dt)).dtype
+    return lax.complex(*jnp.broadcast_arrays(real.astype(part), imag.astype(part)))  # lax does not broadcast
+
+
+@lower("polar")
+def polar(magnitude, angle):
+    return lax.complex(magnitude * jnp.cos(angle), magnitude * jnp.sin(angle))
+
+
+# conj_physical_'s generic kernel calls the CPU/CUDA kernel stub directly: give it a device kernel.
+KERNEL_OVERRIDES.add("conj_physical_")
+
+
+@lower("conj_physical", "_conj_physical")
+def conj_physical(a):
+    # The input's own conj/neg bits are resolved before we get here (ops.py: math bits).
+    return jnp.conj(a) if jnp.issubdtype(a.dtype, jnp.complexfloating) else a
 
 
 def _float_predicate(fn, otherwise: bool):

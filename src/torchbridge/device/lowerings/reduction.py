@@ -138,6 +138,11 @@ def logsumexp(a, dim, keepdim=False):
 
 # ---- norms ------------------------------------------------------------------------------------------
 
+def _magnitude(a):
+    """|a| for complex inputs (the norm's real output dtype would drop the imaginary part), else `a`."""
+    return jnp.abs(a) if jnp.issubdtype(a.dtype, jnp.complexfloating) else a
+
+
 def _vector_norm(x, ord_, axes, keepdim):
     x = jnp.abs(x)
     if ord_ == float("inf"):
@@ -156,7 +161,7 @@ def _vector_norm(x, ord_, axes, keepdim):
 
 @lower("linalg_vector_norm", static=("ord",))
 def linalg_vector_norm(a, ord=2, dim=None, keepdim=False, *, dtype=None):  # noqa: A002
-    x = a.astype(out_dtype())
+    x = _magnitude(a).astype(out_dtype())
     return _vector_norm(x, float(ord), reduction_axes(dim, a.ndim), keepdim)
 
 
@@ -164,7 +169,7 @@ def linalg_vector_norm(a, ord=2, dim=None, keepdim=False, *, dtype=None):  # noq
 def norm(a, p=2, dim=None, keepdim=False, *, dtype=None):
     if isinstance(dim, bool):  # norm.ScalarOpt_dtype(self, p, *, dtype) never has dim; guard anyway
         dim = None
-    x = a.astype(out_dtype())
+    x = _magnitude(a).astype(out_dtype())
     return _vector_norm(x, 2.0 if p is None else float(p), reduction_axes(dim, a.ndim), keepdim)
 
 
@@ -432,9 +437,14 @@ def _plus(bias, prod, beta, alpha):
     return _scaled(bias, beta) + prod
 
 
-@lower("dot", "vdot")
+@lower("dot")
 def dot(a, b):
     return jnp.dot(a, b)
+
+
+@lower("vdot")
+def vdot(a, b):
+    return jnp.vdot(a, b)  # conjugates `a`, like torch.vdot
 
 
 @lower("mv")
