@@ -96,6 +96,35 @@ def test_fused_optimizer_tracks_cpu(opt_name: str) -> None:
     _compare_training("mlp", opt_name, fused=True)
 
 
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_fused_optimizer_with_lr_scheduler_compiles_once(opt_name: str) -> None:
+    """A new learning rate every step (a scheduler) is a new value, not a new program."""
+    make, shape, lr = MODELS["mlp"]
+    torch.manual_seed(0)
+    cpu = make()
+    dev = copy.deepcopy(cpu).to(DEV)
+    batches = _batches(shape)[:8]
+    results = []
+    for model, device in ((cpu, "cpu"), (dev, DEV)):
+        opt = OPTIMIZERS[opt_name](model.parameters(), lr, fused=True)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(batches))
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if device == DEV and len(losses) == 2:
+                compiles = dict(torchbridge.metrics()["compiles_by_op"])
+        results.append(losses)
+    for a, b in zip(*results, strict=True):
+        assert abs(a - b) <= ATOL
+    fused_op = "aten._fused_adamw_.default" if opt_name == "adamw" else "aten._fused_sgd_.default"
+    assert torchbridge.metrics()["compiles_by_op"][fused_op] == compiles[fused_op]
+
+
 @pytest.mark.parametrize("found_inf", [0.0, 1.0])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_fused_sgd_kernel_with_grad_scale(found_inf: float, nesterov: bool) -> None:

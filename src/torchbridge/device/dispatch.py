@@ -66,6 +66,8 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
             # traced too: a new value must not recompile.
             if (inner == _NUMBER or inner == _TENSOR) and a.name not in static:
                 dynamic.add(a.name)
+            elif lowering is not None and a.name in lowering.dynamic:
+                dynamic.add(a.name)
             if a.alias_info is not None and a.alias_info.is_write:
                 mutated.append(a.name)
                 if a.kwarg_only and a.is_out:

@@ -827,11 +827,13 @@ def _adam(decoupled: bool):
 
 
 _OPT_MUTATES = ("grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
-lower("_fused_adam", mutates=_OPT_MUTATES)(_adam(decoupled=False))
-lower("_fused_adamw", mutates=_OPT_MUTATES)(_adam(decoupled=True))
+# The learning rate is traced: with an LR scheduler it changes every step, and each new value would
+# otherwise compile a new program.
+lower("_fused_adam", mutates=_OPT_MUTATES, dynamic=("lr",))(_adam(decoupled=False))
+lower("_fused_adamw", mutates=_OPT_MUTATES, dynamic=("lr",))(_adam(decoupled=True))
 
 
-@lower("_fused_sgd", mutates=("grads", "momentum_buffer_list"))
+@lower("_fused_sgd", mutates=("grads", "momentum_buffer_list"), dynamic=("lr",))
 def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
               is_first_step, grad_scale=None, found_inf=None):
     raw_grads = list(grads)  # a skipped (found_inf) step leaves the grads as they came, like PyTorch

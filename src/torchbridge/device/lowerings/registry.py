@@ -24,6 +24,7 @@ class Lowering:
     random: bool = False  # needs ctx.key(): a fresh PRNG key per call
     mutates: tuple[str, ...] = ()  # extra mutable args; fn returns (result, {name: new_value})
     static: tuple[str, ...] = ()  # Scalar args whose value changes the program (not traced)
+    dynamic: tuple[str, ...] = ()  # `float` args traced as values (e.g. a scheduled learning rate)
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -35,7 +36,8 @@ LOWERINGS: dict[str, Lowering] = {}
 KERNEL_OVERRIDES: set[str] = set()
 
 
-def lower(*ops: Any, random: bool = False, mutates: tuple[str, ...] = (), static: tuple[str, ...] = ()):
+def lower(*ops: Any, random: bool = False, mutates: tuple[str, ...] = (), static: tuple[str, ...] = (),
+          dynamic: tuple[str, ...] = ()):
     """Register `fn` as the lowering of each op (an OpOverloadPacket, OpOverload, or name)."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -43,7 +45,7 @@ def lower(*ops: Any, random: bool = False, mutates: tuple[str, ...] = (), static
             key = op_key(op)
             if key in LOWERINGS:  # two modules lowering one op would silently shadow each other
                 raise RuntimeError(f"torchbridge: lowering for '{key}' registered twice")
-            LOWERINGS[key] = Lowering(fn, random=random, mutates=mutates, static=static)
+            LOWERINGS[key] = Lowering(fn, random=random, mutates=mutates, static=static, dynamic=dynamic)
         return fn
 
     return deco
