@@ -53,6 +53,10 @@ CALIBRATED = dict(prefill_tps=4895.0, decode_base_s=0.0056, decode_per_seq_s=0.0
 # the same rule then gives min(64 x 32,768, 2 GiB / 4 KiB per token) = 524,288 tokens of KV
 # (this model in fp32: 2 x 4 layers x 2 KV heads x 64 dims x 4 bytes = 4 KiB per token).
 AGENTIC_KV_TOKENS = 524_288
+# Shared-prefix keeps the measured pool (4,096 x 16 = 65,536 tokens), as in its earlier runs. Its
+# 3,250-token sequences need --max-model-len 4096, for which the default sizing rule would give
+# min(64 x 4,096, 2 GiB / 4 KiB) = 262,144 tokens (--sp-kv-tokens 262144).
+SHARED_PREFIX_KV_TOKENS = 65_536
 
 
 def sim_model(sim_block: int, cal: dict[str, float], kv_tokens: int | None = None) -> ReplicaModel:
@@ -91,22 +95,23 @@ def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: in
 def run_sim(args: argparse.Namespace, cal: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
     n = args.sim_replicas
-    sat = int(round(args.sat_per_replica * n))
     wl = AgenticWorkload(system_tokens=args.system_tokens, session_tokens=args.session_tokens,
                          first_user_tokens=args.input_tokens, tool_tokens=args.input_tokens,
                          output_tokens=args.output_tokens, tool_latency_mean_s=args.tool_latency_mean)
     for workload in args.workloads:
         if workload == "agentic":
+            sat = int(round(args.sat_per_replica * n))
             levels = sorted({int(round(c * n)) for c in args.sim_per_replica} | {sat})
             kv, dur, warm = args.kv_tokens, args.sim_duration, args.sim_warmup
         else:
-            levels, kv, dur, warm = [int(6 * n)], None, 10.0, 3.0
+            sat = int(round(args.sp_sat_per_replica * n))
+            levels = sorted({int(round(c * n)) for c in args.sp_per_replica} | {sat})
+            kv, dur, warm = args.sp_kv_tokens, args.sp_duration, args.sp_warmup
         for c in levels:
-            at_sat = c == sat or workload != "agentic"
+            at_sat = c == sat
             arms = [a for a in ARMS if a in (args.arms if at_sat else args.sweep_arms)]
             for arm in arms:
-                seeds = range(args.first_seed, args.first_seed + args.seeds) \
-                    if c == sat or workload != "agentic" else [args.first_seed]
+                seeds = range(args.first_seed, args.first_seed + args.seeds) if at_sat else [args.first_seed]
                 for seed in seeds:
                     r = sim_run(workload, arm, n, c, seed, dur, warm, args.sim_block, cal, wl, kv, args.scrape_interval)
                     rows.append(r)
@@ -243,48 +248,56 @@ def run_real(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plots(rows: list[dict[str, Any]], prefix: str) -> list[str]:
+    """Per workload: throughput and mean TTFT vs concurrency, and TTFT CDFs at each level where
+    more than one arm ran. Agentic plots are route-{prefix}-*.png, shared-prefix ones
+    route-{prefix}-shared-prefix-*.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made = []
-    agentic = [r for r in rows if r.get("workload", "agentic") == "agentic" and "arm" in r]
-    if not agentic:
-        return made
-    levels = sorted({r["concurrency"] for r in agentic})
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for arm in ARMS:
-        xs, tp, tt = [], [], []
-        for c in levels:
-            sel = [r for r in agentic if r["arm"] == arm and r["concurrency"] == c]
-            if sel:
-                xs.append(c)
-                tp.append(statistics.fmean(r["total_tps"] for r in sel))
-                tt.append(statistics.fmean(r["ttft_mean"] for r in sel))
-        ax[0].plot(xs, tp, marker="o", label=arm)
-        ax[1].plot(xs, tt, marker="o", label=arm)
-    ax[0].set(xlabel="concurrent sessions", ylabel="total tokens/s", title=f"{prefix}: throughput vs concurrency")
-    ax[1].set(xlabel="concurrent sessions", ylabel="mean TTFT (s)", yscale="log", title=f"{prefix}: mean TTFT")
-    ax[0].legend()
-    fig.tight_layout()
-    p = OUT / f"route-{prefix}-throughput.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    made.append(p.name)
-    fig, axs = plt.subplots(1, len(levels), figsize=(4 * len(levels), 3.6), squeeze=False)
-    for ax1, c in zip(axs[0], levels, strict=True):
+    for workload in ("agentic", "shared-prefix"):
+        wrows = [r for r in rows if r.get("workload", "agentic") == workload and "arm" in r]
+        if not wrows:
+            continue
+        name = prefix if workload == "agentic" else f"{prefix}-{workload}"
+        unit = "concurrent sessions" if workload == "agentic" else "concurrent clients"
+        levels = sorted({r["concurrency"] for r in wrows})
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
         for arm in ARMS:
-            t = sorted(x for r in agentic if r["arm"] == arm and r["concurrency"] == c for x in r["ttfts"])
-            if t:
-                ax1.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=arm)
-        ax1.set(xscale="log", xlabel="TTFT (s)", ylabel="CDF", title=f"{prefix}: {c} sessions")
-    axs[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    p = OUT / f"route-{prefix}-ttft-cdf.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    made.append(p.name)
+            xs, tp, tt = [], [], []
+            for c in levels:
+                sel = [r for r in wrows if r["arm"] == arm and r["concurrency"] == c]
+                if sel:
+                    xs.append(c)
+                    tp.append(statistics.fmean(r["total_tps"] for r in sel))
+                    tt.append(statistics.fmean(r["ttft_mean"] for r in sel))
+            if xs:
+                ax[0].plot(xs, tp, marker="o", label=arm)
+                ax[1].plot(xs, tt, marker="o", label=arm)
+        ax[0].set(xlabel=unit, ylabel="total tokens/s", title=f"{name}: throughput vs concurrency")
+        ax[1].set(xlabel=unit, ylabel="mean TTFT (s)", yscale="log", title=f"{name}: mean TTFT")
+        ax[0].legend()
+        fig.tight_layout()
+        p = OUT / f"route-{name}-throughput.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p.name)
+        cdf_levels = [c for c in levels if len({r["arm"] for r in wrows if r["concurrency"] == c}) > 1] or levels
+        fig, axs = plt.subplots(1, len(cdf_levels), figsize=(4 * len(cdf_levels), 3.6), squeeze=False)
+        for ax1, c in zip(axs[0], cdf_levels, strict=True):
+            for arm in ARMS:
+                t = sorted(x for r in wrows if r["arm"] == arm and r["concurrency"] == c for x in r["ttfts"])
+                if t:
+                    ax1.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=arm)
+            ax1.set(xscale="log", xlabel="TTFT (s)", ylabel="CDF", title=f"{name}: {c} {unit.split()[1]}")
+        axs[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        p = OUT / f"route-{name}-ttft-cdf.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p.name)
     return made
 
 
@@ -333,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", nargs="+", default=ARMS, help="arms run at the saturation point")
     ap.add_argument("--sat-per-replica", type=float, default=10,
                     help="round-robin's saturation point in sessions per replica: all arms, all seeds")
+    ap.add_argument("--sp-per-replica", type=float, nargs="+", default=[],
+                    help="shared-prefix concurrency sweep, in clients per replica (one seed, --sweep-arms)")
+    ap.add_argument("--sp-sat-per-replica", type=float, default=6,
+                    help="shared-prefix: round-robin's saturation point in clients per replica")
+    ap.add_argument("--sp-duration", type=float, default=60.0, help="simulated seconds (shared-prefix)")
+    ap.add_argument("--sp-warmup", type=float, default=20.0, help="of which warm-up (shared-prefix)")
+    ap.add_argument("--sp-kv-tokens", type=int, default=SHARED_PREFIX_KV_TOKENS,
+                    help="KV capacity per replica (shared-prefix)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--sim-duration", type=float, default=300.0, help="simulated seconds (agentic)")
