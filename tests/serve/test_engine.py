@@ -19,6 +19,7 @@ VARIANTS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     "speculative-ngram": {"speculative_ngram": 3},
     "shape-buckets": {"shape_buckets": True},
+    "gather-decode": {"decode_workspace": False},
 }
 
 
@@ -85,6 +86,19 @@ def hf_model_greedy_no_eos(model_dir: Path, prompt: list[int], n: int) -> list[i
     for _ in range(n):
         ids.append(int(hf_logits(model_dir, ids)[-1].argmax()))
     return ids[len(prompt) :]
+
+
+def test_varied_output_lengths_with_requests_joining(llama_dir: Path) -> None:
+    """Requests finish at different steps while waiting ones join (3 slots): decode-workspace rows are
+    freed, compacted and refilled from the paged cache, and every output still matches Hugging Face."""
+    prompts = mixed_prompts(7, seed=6, lo=4, hi=30)
+    lens = [3, 17, 9, 1, 12, 5, 14]
+    llm = LLM(str(llama_dir), block_size=4, num_blocks=128, max_model_len=96, max_num_seqs=3,
+              enable_prefix_caching=False)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens])
+    assert llm.engine.runner.workspace is not None and llm.engine.runner.workspace.rows > 0
+    for p, n, o in zip(prompts, lens, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_model_greedy_no_eos(llama_dir, p, n)
 
 
 def test_lone_sequence_larger_than_pool_finishes_with_length(llama_dir: Path) -> None:

@@ -8,6 +8,12 @@ verification) in another, so that a long prefill does not pad every decode row t
 group the queries are scattered into a `[batch, max_query_len]` grid, each sequence's keys and values
 are gathered by its block table, and one masked `scaled_dot_product_attention` runs. Every index tensor
 is built by the model runner, so shapes depend only on the shape bucket.
+
+Decode steps without shape buckets (cpu, cuda) skip the gather: `DecodeWorkspace` keeps each decoding
+sequence's keys and values contiguous (`[rows, num_kv_heads, length, head_dim]` per layer), gathered from
+the paged cache once when the sequence starts decoding and then extended by one position per step, so a
+decode step reads the context once (inside attention) instead of copying it out of the pool per layer.
+The paged cache stays the source of truth (prefix caching, preemption, chunks all use it).
 """
 
 from __future__ import annotations
@@ -28,9 +34,20 @@ class AttentionGroup:
 
 
 @dataclass
+class WorkspaceGroup:
+    """Decodes served from the workspace: row r holds the sequence whose new token is query_index[r]."""
+
+    workspace: DecodeWorkspace
+    query_index: torch.Tensor  # [R] flat token index of each row's query (and of its new K/V)
+    write_index: torch.Tensor  # [R * num_kv_heads] flat (row, head, position) cell of the new K/V
+    mask: torch.Tensor  # [R, 1, 1, kv_len] True where the row's query may attend
+    kv_len: int  # positions read (the longest context of the step)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup | WorkspaceGroup]
 
 
 def build_mask(
@@ -50,6 +67,101 @@ def build_mask(
     return mask[:, None]
 
 
+class DecodeWorkspace:
+    """Contiguous K/V of the sequences decoding this step, one row each, for every layer.
+
+    Rows are handed out per step by `assign`: a sequence keeps its row while it decodes on consecutive
+    steps (its row then already holds positions [0, start)); a sequence that stopped decoding (finished,
+    preempted, or ran a multi-token chunk) loses it. Rows stay packed at 0..R-1: a row freed below R is
+    filled by moving the highest one down. A new row is filled from the paged cache. Capacity grows on
+    demand up to `max_tokens` (rows x length); beyond that `assign` returns None and the step gathers.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_rows: int, max_tokens: int) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.rows = self.length = 0  # capacity
+        self.row_of: dict[int, int] = {}  # seq id -> row
+        self.filled: dict[int, int] = {}  # seq id -> positions its row holds
+
+    def _grow(self, rows: int, length: int) -> bool:
+        if rows <= self.rows and length <= self.length:
+            return True
+        new_rows = min(max(rows, 2 * self.rows, 8), self.max_rows) if rows > self.rows else self.rows
+        new_len = max(length, self.length + self.length // 2, 64) if length > self.length else self.length
+        new_len = -(-new_len // 32) * 32
+        if new_rows * new_len > self.max_tokens:
+            new_rows, new_len = max(rows, self.rows), max(length, self.length)
+            if new_rows * new_len > self.max_tokens:
+                return False
+        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if old is not None:
+                new[: self.rows, :, : self.length].copy_(old)
+            return new
+
+        self.k = [grown(self.k[i] if self.k else None) for i in range(self.num_layers)]
+        self.v = [grown(self.v[i] if self.v else None) for i in range(self.num_layers)]
+        self.rows, self.length = new_rows, new_len
+        return True
+
+    def release_all(self) -> None:
+        self.row_of.clear()
+        self.filled.clear()
+
+    def assign(self, seq_ids: list[int], starts: list[int], fill: object) -> list[int] | None:
+        """Rows (packed 0..R-1) for this step's decodes; seq i's new token goes to position starts[i].
+        `fill(row, seq_index, k_layers, v_layers)` copies positions [0, starts[i]) from the paged cache
+        into a fresh row. None: over capacity (nothing assigned; the step gathers instead)."""
+        r = len(seq_ids)
+        live = set(seq_ids)
+        for sid in [s for s in self.row_of if s not in live]:
+            del self.row_of[sid], self.filled[sid]
+        if r > self.max_rows or not self._grow(r, max(starts) + 1):
+            self.release_all()
+            return None
+        free = sorted(set(range(r)) - set(self.row_of.values()))
+        for sid, row in list(self.row_of.items()):
+            if row >= r:  # move down into a hole below R
+                dst, n = free.pop(0), self.filled[sid]
+                for buf in (self.k, self.v):
+                    for t in buf:
+                        t[dst, :, :n].copy_(t[row, :, :n])
+                self.row_of[sid] = dst
+        rows = []
+        for i, (sid, start) in enumerate(zip(seq_ids, starts, strict=True)):
+            row = self.row_of.get(sid)
+            if row is None:
+                row = self.row_of[sid] = free.pop(0)
+                self.filled[sid] = 0
+            if self.filled[sid] != start:
+                fill(row, i, self.k, self.v)
+            self.filled[sid] = start + 1
+            rows.append(row)
+        return rows
+
+
+def _workspace_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: WorkspaceGroup, layer: int,
+                         out: torch.Tensor, scale: float) -> None:
+    ws = g.workspace
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kvh = ws.num_kv_heads
+    r = g.query_index.shape[0]
+    kw, vw = ws.k[layer], ws.v[layer]
+    kw.view(-1, head_dim).index_copy_(0, g.write_index, k.index_select(0, g.query_index).view(-1, head_dim))
+    vw.view(-1, head_dim).index_copy_(0, g.write_index, v.index_select(0, g.query_index).view(-1, head_dim))
+    # One query per row: the query heads sharing a KV head become that head's query rows (GQA, no copy).
+    qg = q.index_select(0, g.query_index).view(r, kvh, num_heads // kvh, head_dim)
+    o = F.scaled_dot_product_attention(qg, kw[:r, :, : g.kv_len], vw[:r, :, : g.kv_len], attn_mask=g.mask, scale=scale)
+    out.index_copy_(0, g.query_index, o.reshape(r, num_heads * head_dim))
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,8 +170,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D]."""
+    """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D].
+    `layer` picks the layer's buffers of a decode workspace."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     # index_copy_/index_select rather than advanced indexing: same result, markedly cheaper on cpu.
@@ -67,6 +181,9 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
+        if isinstance(g, WorkspaceGroup):
+            _workspace_attention(q, k, v, g, layer, out, scale)
+            continue
         batch, max_q = g.query_index.shape
         qg = q.index_select(0, g.query_index.flatten()).view(batch, max_q, num_heads, head_dim).transpose(1, 2)
         kv_shape = (batch, -1, num_kv_heads, head_dim)

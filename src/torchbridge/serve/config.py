@@ -139,6 +139,8 @@ class EngineConfig:
     ngram_max: int = 3
     # None: on for devices that compile per shape (anything but cpu and cuda).
     shape_buckets: bool | None = None
+    # None: on without shape buckets. Decodes read K/V from per-sequence contiguous rows (attention.py).
+    decode_workspace: bool | None = None
     served_model_name: str | None = None
     seed: int = 0
     kv_events: bool = True
@@ -162,6 +164,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be at least 2")
         if self.shape_buckets is None:
             self.shape_buckets = torch.device(self.device).type not in ("cpu", "cuda")
+        if self.decode_workspace is None:
+            self.decode_workspace = not self.shape_buckets
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

@@ -13,10 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from torchbridge.serve.attention import AttentionGroup, AttentionMetadata, build_mask
+from torchbridge.serve.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    DecodeWorkspace,
+    WorkspaceGroup,
+    build_mask,
+)
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.models import load_model
 from torchbridge.serve.scheduler import Batch
+from torchbridge.serve.sequence import Sequence
 
 
 def _bucket(n: int, smallest: int = 1) -> int:
@@ -52,6 +59,11 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
+        self.workspace = (
+            DecodeWorkspace(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, config.max_num_seqs,
+                            config.num_blocks * config.block_size)
+            if config.decode_workspace else None
+        )
         # Shape keys of steps run, and of steps traced by warmup(): with buckets, steady state stays
         # within a small set (the tests check that decode steps only use warmed shapes).
         self.shapes_seen: set[tuple[int, ...]] = set()
@@ -67,6 +79,8 @@ class ModelRunner:
         rows: list[tuple[int, int]] = []
         # Per group (decodes, chunks): (first flat token, query length, context length, block table).
         groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
+        decodes: list[tuple[Sequence, int, int]] = []  # (seq, flat token, position) of one-token items
+        use_ws = self.workspace is not None and not pad
         for it in batch.items:
             seq = it.seq
             start = seq.num_computed_tokens
@@ -77,7 +91,10 @@ class ModelRunner:
             pos.extend(p)
             slots.extend(seq.block_table[i // bs] * bs + i % bs for i in p)
             ctx = start + len(toks)
-            groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table[: -(-ctx // bs)]))
+            if use_ws and len(toks) == 1:
+                decodes.append((seq, first, start))
+            else:
+                groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table[: -(-ctx // bs)]))
             if it.samples:
                 k = 1 + len(it.draft_tokens)
                 rows.append((len(sample), k))
@@ -97,7 +114,16 @@ class ModelRunner:
         def tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        attn_groups = [self._group(g, pos, n, pad, tensor) for g in groups.values() if g]
+        attn_groups: list[AttentionGroup | WorkspaceGroup] = []
+        if use_ws:
+            ws_group = self._workspace_group(decodes, tensor)
+            if ws_group is None:  # over the workspace's capacity: gather like the other groups
+                groups[True] = [(f, 1, p + 1, sq.block_table[: -(-(p + 1) // bs)]) for sq, f, p in decodes]
+            else:
+                attn_groups.append(ws_group)
+        elif self.workspace is not None:
+            self.workspace.release_all()  # a padded step does not write the workspace
+        attn_groups += [self._group(g, pos, n, pad, tensor) for g in groups.values() if g]
         meta = AttentionMetadata(slot_mapping=tensor(slots), groups=attn_groups)
         assert num_real <= n
         return StepInput(tensor(ids), tensor(pos), meta, tensor(sample), rows, len(sample))
@@ -138,10 +164,54 @@ class ModelRunner:
             out_cells=tensor(out_cells),  # type: ignore[operator]
         )
 
+    def _workspace_group(self, decodes: list[tuple[Sequence, int, int]], tensor: object) -> WorkspaceGroup | None:
+        ws = self.workspace
+        assert ws is not None
+        if not decodes:
+            ws.release_all()
+            return None
+        bs = self.block_size
+        starts = [p for _, _, p in decodes]
+
+        def fill(row: int, i: int, k_rows: list[torch.Tensor], v_rows: list[torch.Tensor]) -> None:
+            seq, _, start = decodes[i]
+            if start == 0:
+                return
+            blocks = torch.tensor(seq.block_table[: -(-start // bs)], dtype=torch.long, device=self.device)
+            for (kc, vc), kw, vw in zip(self.kv_caches, k_rows, v_rows, strict=True):
+                for cache, w in ((kc, kw), (vc, vw)):
+                    ctx = cache.index_select(0, blocks).flatten(0, 1)[:start]  # [start, KVH, D]
+                    w[row, :, :start].copy_(ctx.transpose(0, 1))
+
+        rows = ws.assign([s.seq_id for s, _, _ in decodes], starts, fill)
+        if rows is None:
+            return None
+        r, kvh = len(decodes), ws.num_kv_heads
+        query_index, q_pos = [0] * r, [0] * r
+        for row, (_, first, start) in zip(rows, decodes, strict=True):
+            query_index[row], q_pos[row] = first, start
+        kv_len = max(starts) + 1
+        pos_t = tensor(q_pos)  # type: ignore[operator]
+        # Cell (row, head, position) of each row's new K/V, rows then heads (the order k[query_index] has).
+        heads = torch.arange(r * kvh, device=self.device).view(r, kvh)
+        write_index = (heads * ws.length + pos_t[:, None]).flatten()
+        return WorkspaceGroup(
+            workspace=ws,
+            query_index=tensor(query_index),  # type: ignore[operator]
+            write_index=write_index,
+            mask=build_mask(pos_t[:, None], pos_t + 1, kv_len, self.sliding_window),
+            kv_len=kv_len,
+        )
+
     @staticmethod
     def shape_key(input_ids: torch.Tensor, sample_index: torch.Tensor, meta: AttentionMetadata) -> tuple[int, ...]:
         """Every dimension a compiled step depends on."""
-        groups = (x for g in meta.groups for x in (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0]))
+        groups = (
+            x for g in meta.groups for x in (
+                (g.query_index.shape[0], g.kv_len) if isinstance(g, WorkspaceGroup)
+                else (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0])
+            )
+        )
         return (input_ids.shape[0], sample_index.shape[0], *groups)
 
     @torch.inference_mode()

@@ -78,8 +78,7 @@ class Sampler:
                 gen = seqs[i].generator or self.generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         out = []
-        for i, seq in enumerate(seqs):
-            t = int(tokens[i])
+        for i, (seq, t) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             lp = None
             if raw_logprobs is not None and seq.params.logprobs is not None:
                 lp = token_logprobs(raw_logprobs[i], t, seq.params.logprobs)

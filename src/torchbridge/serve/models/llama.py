@@ -72,8 +72,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # picks this layer's buffers in a decode workspace
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
@@ -119,7 +120,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer)
         return self.o_proj(out)
 
 
@@ -180,7 +181,7 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
