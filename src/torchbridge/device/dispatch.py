@@ -428,6 +428,7 @@ class _Fast(NamedTuple):
     returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
     returns_none: bool
     zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
+    outputs: tuple  # per new output: (shape, strides, c10 ScalarType code)
 
 
 _fast: dict[Any, _Fast] = {}
@@ -439,6 +440,12 @@ def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dic
     from torchbridge.device import native
 
     return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
+
+
+def _new_tensor(shape: list, strides: list, code: int, device: int) -> tuple[torch.Tensor, int]:
+    from torchbridge.device import native
+
+    return native.load().new_tensor(shape, strides, code, device)
 
 
 def run_fast(sig: Any) -> Any:
@@ -476,9 +483,9 @@ def finish_fast(entry: _Fast, new: Any, args: tuple, kwargs: dict) -> Any:
         return vals[0] if len(vals) == 1 else tuple(vals)
     table = STATE.table._buffers
     outs = []
-    for (shape, strides, dt), buf in zip(entry.program.outputs, new, strict=True):
-        t = torch.empty_strided(shape, strides, dtype=dt, device=entry.device)
-        table[t.untyped_storage().data_ptr()] = buf
+    for (shape, strides, code), buf in zip(entry.outputs, new, strict=True):
+        t, key = _new_tensor(shape, strides, code, entry.dev_index)
+        table[key] = buf
         outs.append(t)
     return _rebuild(entry.program.out_struct, outs)
 
@@ -492,8 +499,10 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     jdev = STATE.jax_device(device.index or 0)
     zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
                                                                                           strict=True))
+    codes = {dt: code for code, (dt, _) in (_CODES or _dtype_codes()).items()}
+    outputs = tuple((list(shape), list(strides), codes[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, tuple(buffer_dtypes), device, device.index or 0, returns,
-                          not op._schema.returns, zeros)
+                          not op._schema.returns, zeros, outputs)
 
 
 # ---- the entry point ---------------------------------------------------------------------------

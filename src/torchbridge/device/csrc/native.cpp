@@ -366,6 +366,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_peak_bytes", [](int d) { g_peak_bytes[d] = g_live_bytes[d].load(); });
   m.def("describe", &describe, "per-tensor layout tuples for the eager cache key");
   m.def("signature", &sig::signature, "the eager fast path's cache key for one call, or None");
+  m.def(
+      "new_tensor",
+      [](std::vector<int64_t> size, std::vector<int64_t> stride, int scalar_type, int device) {
+        // What torch.empty_strided(..., device=tpu:N) runs, without the Python argument parsing.
+        c10::DeviceGuard guard(c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
+        at::Tensor t = at::detail::empty_strided_generic(size, stride, &g_allocator, device_keys(),
+                                                   static_cast<at::ScalarType>(scalar_type));
+        return pybind11::make_tuple(t, reinterpret_cast<uint64_t>(t.storage().data()));
+      },
+      "a fresh device tensor and its storage key");
   m.def("current_device", []() { return static_cast<int>(t_current_device); });
   m.def("set_device", [](int d) {
     TORCH_CHECK(d >= 0 && d < g_device_count.load(), "torchbridge: invalid device index ", d, " (",
