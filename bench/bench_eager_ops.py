@@ -29,18 +29,22 @@ import torchbridge  # noqa: E402
 DEV = torchbridge.device_name()
 
 
-def _time(fn, sync, iters: int, repeats: int = 7) -> float:
-    for _ in range(max(3, iters // 10)):
-        fn()
-    sync(fn())
-    samples = []
+def _interleaved(arms: list, iters: int, repeats: int) -> list[float]:
+    """Median microseconds per call for each (fn, sync) arm. The arms take turns within every
+    repeat, so a slow spell on the shared machine hits all of them rather than one."""
+    for fn, sync in arms:
+        for _ in range(max(3, iters // 10)):
+            fn()
+        sync(fn())
+    samples: list[list[float]] = [[] for _ in arms]
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            r = fn()
-        sync(r)
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+        for i, (fn, sync) in enumerate(arms):
+            start = time.perf_counter()
+            for _ in range(iters):
+                r = fn()
+            sync(r)
+            samples[i].append((time.perf_counter() - start) / iters * 1e6)
+    return [statistics.median(s) for s in samples]
 
 
 def _sync_dev(t: torch.Tensor) -> None:
@@ -64,6 +68,7 @@ def cases():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=11, help="interleaved measurements per arm (median)")
     ap.add_argument("--write", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -71,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         iters = args.iters if "1024" not in name else max(5, args.iters // 20)
         jx = [jnp.asarray(t.numpy()) for t in inputs]
         dv = [t.to(DEV) for t in inputs]
-        cpu_us = _time(functools.partial(torch_fn, *inputs), lambda r: None, iters)
-        jax_us = _time(functools.partial(jax_fn, *jx), lambda r: r.block_until_ready(), iters)
-        dev_us = _time(functools.partial(torch_fn, *dv), _sync_dev, iters)
+        cpu_us, jax_us, dev_us = _interleaved([
+            (functools.partial(torch_fn, *inputs), lambda r: None),
+            (functools.partial(jax_fn, *jx), lambda r: r.block_until_ready()),
+            (functools.partial(torch_fn, *dv), _sync_dev),
+        ], iters, args.repeats)
         rows.append((name, cpu_us, jax_us, dev_us))
     header = "| op | torch CPU (us) | jax.numpy (us) | torchbridge eager (us) | bridge - jax.numpy (us) | bridge / jax.numpy |"
     lines = [header, "|---|---:|---:|---:|---:|---:|"]
@@ -83,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.write:
         env = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, jax {jax.__version__}"
-        text = (f"# Eager per-op latency\n\nCommand: `python bench/bench_eager_ops.py --iters {args.iters} --write {args.write}`\n\n"
-                f"Machine: {env}. Medians of 7 measurements; device results synchronised.\n\n{table}\n\n"
+        text = (f"# Eager per-op latency\n\nCommand: `python bench/bench_eager_ops.py --iters {args.iters} --repeats {args.repeats} --write {args.write}`\n\n"
+                f"Machine: {env}. Medians of {args.repeats} measurements per arm, the three arms interleaved within each"
+                f" repeat; device results synchronised.\n\n{table}\n\n"
                 "Targets (issue 2): small ops at most 10 us above jax.numpy; large ops within 10% of jax.numpy.\n")
         Path(args.write).parent.mkdir(parents=True, exist_ok=True)
         Path(args.write).write_text(text)

@@ -422,13 +422,14 @@ def _tensor_indices(enc: Any) -> list[int]:
 
 class _Fast(NamedTuple):
     program: _Program
-    buffer_dtypes: tuple  # the flat buffers' dtypes the program was traced for
+    buffer_dtypes: list  # the flat buffers' dtypes the program was traced for
     device: torch.device
     dev_index: int
     returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
     returns_none: bool
     zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
     outputs: tuple  # per new output: (shape, strides, c10 ScalarType code)
+    single: bool  # the op returns exactly one new tensor
 
 
 _fast: dict[Any, _Fast] = {}
@@ -442,52 +443,42 @@ def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dic
     return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
 
 
-def _new_tensor(shape: list, strides: list, code: int, device: int) -> tuple[torch.Tensor, int]:
-    from torchbridge.device import native
-
-    return native.load().new_tensor(shape, strides, code, device)
+_native_mod: Any = None
 
 
-def run_fast(sig: Any) -> Any:
-    """The cached result of a repeat call, or MISS."""
+def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
+    """The result of a repeat call from its remembered program, or MISS. (Hot: kept flat.)"""
     entry = _fast.get(sig[0])
     if entry is None:
         return MISS
     table = STATE.table._buffers
     ptrs = sig[1]
-    bufs = []
-    for i, p in enumerate(ptrs):
-        b = table.get(p)
+    bufs = [table.get(p) for p in ptrs]
+    for i, b in enumerate(bufs):
         if b.__class__ is not _ARRAY:
             if b is not None:  # a fused-mode placeholder
                 return MISS
-            b = table[p] = storage.zeros(*entry.zeros[i])  # e.g. the fresh out= tensor of a structured op
-        bufs.append(b)
-    bufs = tuple(bufs)
-    if tuple(b.dtype for b in bufs) != entry.buffer_dtypes:
+            bufs[i] = table[ptrs[i]] = storage.zeros(*entry.zeros[i])  # e.g. a fresh out= tensor
+    if [b.dtype for b in bufs] != entry.buffer_dtypes:
         return MISS
     program = entry.program
     rng = STATE.next_rng(entry.dev_index) if program.random else None
-    updated, new = program.fn(bufs, sig[2], (), (), rng)
+    updated, new = program.fn(tuple(bufs), sig[2], (), (), rng)
     STATE.last_results[entry.dev_index] = (updated, new)
     for slot, buf in zip(program.writes, updated, strict=True):
         table[ptrs[slot]] = buf
-    return entry, new
-
-
-def finish_fast(entry: _Fast, new: Any, args: tuple, kwargs: dict) -> Any:
     if entry.returns is not None:
         if entry.returns_none:
             return None
         vals = [args[r] if isinstance(r, int) else kwargs[r] for r in entry.returns]
         return vals[0] if len(vals) == 1 else tuple(vals)
-    table = STATE.table._buffers
+    new_tensor = _native_mod.new_tensor
     outs = []
     for (shape, strides, code), buf in zip(entry.outputs, new, strict=True):
-        t, key = _new_tensor(shape, strides, code, entry.dev_index)
+        t, key = new_tensor(shape, strides, code, entry.dev_index)
         table[key] = buf
         outs.append(t)
-    return _rebuild(entry.program.out_struct, outs)
+    return outs[0] if entry.single else _rebuild(program.out_struct, outs)
 
 
 def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
@@ -501,8 +492,12 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
                                                                                           strict=True))
     codes = {dt: code for code, (dt, _) in (_CODES or _dtype_codes()).items()}
     outputs = tuple((list(shape), list(strides), codes[dt]) for shape, strides, dt in program.outputs)
-    _fast[sig[0]] = _Fast(program, tuple(buffer_dtypes), device, device.index or 0, returns,
-                          not op._schema.returns, zeros, outputs)
+    global _native_mod
+    from torchbridge.device import native
+
+    _native_mod = native.load()
+    _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device, device.index or 0, returns,
+                          not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0))
 
 
 # ---- the entry point ---------------------------------------------------------------------------

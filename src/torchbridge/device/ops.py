@@ -362,9 +362,9 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             return run_dynamic(op, info.lowering, args, kwargs)
         sig = None if fused.active() else dispatch.signature(op, info, args, kwargs)
         if sig is not None:
-            hit = dispatch.run_fast(sig)
-            if hit is not dispatch.MISS:
-                return dispatch.finish_fast(hit[0], hit[1], args, kwargs)
+            result = dispatch.run_fast(sig, args, kwargs)
+            if result is not dispatch.MISS:
+                return result
         return dispatch.run(op, args, kwargs, sig)
     decomp = decomposition_table.get(op)
     active = getattr(_local, "decomposing", None)
