@@ -137,11 +137,13 @@ def run_hf(model_dir: Path, requests: list[list[int]], out_lens: list[int], batc
 
 # ---- ours -----------------------------------------------------------------------------------------
 def run_ours_offline(model_dir: Path, requests: list[list[int]], out_lens: list[int], concurrency: int,
-                     decode_workspace: bool = True) -> float:
+                     decode_workspace: bool = True, device: str = "cpu") -> float:
     from torchbridge.serve import LLM, SamplingParams
 
+    # On the bridge's device the engine compiles its shape buckets at start-up (not timed).
+    extra = {} if device == "cpu" else {"device": device}
     llm = LLM(str(model_dir), max_num_seqs=concurrency, max_model_len=1024, enable_prefix_caching=False,
-              decode_workspace=decode_workspace)
+              decode_workspace=decode_workspace, **extra)
     llm.generate([requests[0][:8]], SamplingParams(temperature=0, max_tokens=2))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     t0 = time.perf_counter()
@@ -273,6 +275,13 @@ def notes(results: dict[str, dict], fixed: dict[str, dict], args: argparse.Names
         "  queueing code: hf-sequential as a FIFO server that runs one request at a time, hf-batched as one that\n"
         "  runs each batch at once and ends each stream at the request's own length. This favours HF slightly.",
     ]
+    if "ours-tpu" in results:
+        tpu = results["ours-tpu"]["seconds"]
+        lines.append(
+            f"- `ours-tpu` is the same engine on the bridge's device (XLA on this CPU; shape buckets warmed up before\n"
+            f"  timing, no recompiles while serving): {n_out / tpu:.1f} tok/s, {tpu / results['ours']['seconds']:.1f}x\n"
+            "  slower than on `cpu`. Every op of a step runs as its own cached XLA program (eager mode); compiling\n"
+            "  each bucket's whole step with torch.compile(backend=\"tpu\") is the next step for this arm.")
     return "\n".join(lines)
 
 
@@ -306,6 +315,11 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
     result: dict = {}
     if kind in ("ours", "ours-gather"):
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind == "ours")
+    elif kind == "ours-tpu":
+        import torchbridge
+
+        result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency,
+                                             device=torchbridge.device_name())
     else:
         batch = args.concurrency if kind == "hf-batched" else 1
         t, per, computed = run_hf(model_dir, reqs, out_lens, batch)
@@ -343,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads of every engine (1: the shared machine is oversubscribed, and 2-thread "
                          "OpenMP steps stall there whenever the other thread is descheduled)")
     ap.add_argument("--no-hf-sequential", action="store_true", help="skip the slow one-request-at-a-time baseline")
+    ap.add_argument("--no-device", action="store_true", help="skip the engine on the bridge's device (ours-tpu)")
     ap.add_argument("--write", type=Path, default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
     if args.worker:
@@ -364,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         results["ours"]["online"] = summarize(online)
         results["ours"]["online_seconds"] = t
         print(f"ours online: {json.dumps(results['ours']['online'])}", flush=True)
-        for kind in ("ours-gather", "hf-batched") + (() if args.no_hf_sequential else ("hf-sequential",)):
-            repeats = 1 if kind == "hf-sequential" else args.repeats
+        arms = ("ours-gather", "hf-batched") + (() if args.no_hf_sequential else ("hf-sequential",))
+        arms += () if args.no_device else ("ours-tpu",)
+        for kind in arms:
+            repeats = 1 if kind in ("hf-sequential", "ours-tpu") else args.repeats
             results[kind] = best_of(repeats, kind, model_dir, args, args.output_len, args.num_requests)
             print(f"{kind}: {n_out / results[kind]['seconds']:.1f} tok/s", flush=True)
         if args.fixed_output_len:
