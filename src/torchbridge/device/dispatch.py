@@ -11,6 +11,7 @@ Scalar values are program inputs, so a new scalar value never recompiles.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -218,6 +219,39 @@ class _Program:
     resize: dict[str, Any] | None = None  # out= args that must be resized first (then the call is redone)
     raw: Any = None  # the traceable function behind `fn`, composed by fused eager mode
     _avals: Any = None
+    _donating: Any = None
+
+    def call(self, bufs: list, scalars: tuple, hosts: tuple, host_scalars: tuple, rng: Any, table: dict,
+             dev_index: int) -> Any:
+        """Run the program. A large storage it writes whose buffer nothing else holds is donated, so
+        XLA updates it in place: a KV-cache write into a 32 MB pool then costs the rows written, not a
+        copy of the pool (the table keeps the only reference, and the old buffer is replaced anyway)."""
+        if self.writes and any(bufs[s].nbytes >= _DONATE_BYTES for s in self.writes):
+            last = STATE.last_results.get(dev_index)
+            if last is not None and any(_holds(last, bufs[s]) for s in self.writes):
+                STATE.last_results[dev_index] = None  # only a completion marker: newer results replace it
+            last = None
+            # references: the table, the `bufs` list, getrefcount's argument
+            if all(sys.getrefcount(bufs[s]) <= 3 for s in self.writes):
+                global donated_writes
+                donated_writes += 1
+                return self._donating_fn()(tuple(bufs[s] for s in self.writes),
+                                           tuple(b for i, b in enumerate(bufs) if i not in self.writes),
+                                           scalars, hosts, host_scalars, rng)
+        return self.fn(tuple(bufs), scalars, hosts, host_scalars, rng)
+
+    def _donating_fn(self) -> Any:
+        if self._donating is None:
+            writes, raw = self.writes, self.raw
+
+            def split(written, others, scalars, hosts, host_scalars, rng):
+                wi, oi, bufs = iter(written), iter(others), []
+                for i in range(len(written) + len(others)):
+                    bufs.append(next(wi) if i in writes else next(oi))
+                return raw(tuple(bufs), scalars, hosts, host_scalars, rng)
+
+            self._donating = jax.jit(split, donate_argnums=(0,))
+        return self._donating
 
     def out_avals(self, *args: Any) -> Any:
         """Output shapes/dtypes (for fused mode's placeholders); traced once per program."""
@@ -226,9 +260,19 @@ class _Program:
         return self._avals
 
 
+_DONATE_BYTES = 1 << 20
+
+
+def _holds(results: Any, buf: Any) -> bool:
+    if isinstance(results, (tuple, list)):
+        return any(_holds(r, buf) for r in results)
+    return results is buf
+
+
 _programs: dict[Any, _Program] = {}
 _lock = threading.RLock()
 compile_counter: Counter[str] = Counter()
+donated_writes = 0  # calls that updated a large storage in place (see _Program.call)
 cpu_fallback_counter: Counter[str] = Counter()
 
 
@@ -459,11 +503,12 @@ def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
             if b is not None:  # a fused-mode placeholder
                 return MISS
             bufs[i] = table[ptrs[i]] = storage.zeros(*entry.zeros[i])  # e.g. a fresh out= tensor
+    b = None  # a live loop variable would count as a reference and block donation (_Program.call)
     if [b.dtype for b in bufs] != entry.buffer_dtypes:
         return MISS
     program = entry.program
     rng = STATE.next_rng(entry.dev_index) if program.random else None
-    updated, new = program.fn(tuple(bufs), sig[2], (), (), rng)
+    updated, new = program.call(bufs, sig[2], (), (), rng, table, entry.dev_index)
     STATE.last_results[entry.dev_index] = (updated, new)
     for slot, buf in zip(program.writes, updated, strict=True):
         table[ptrs[slot]] = buf
@@ -530,9 +575,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -
         if isinstance(d, _DeviceArg) and d.slot not in first_dtype:
             first_dtype[d.slot] = d.dtype
     for slot, key in enumerate(keys):
-        buf = get_buffer(key, storages[slot][0], first_dtype[slot], jdev)
-        bufs.append(buf)
-        buffer_dtypes.append(buf.dtype)
+        bufs.append(get_buffer(key, storages[slot][0], first_dtype[slot], jdev))
+        buffer_dtypes.append(bufs[-1].dtype)
     cache_key = (id(op), pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
                  tuple(type(s) for s in call.scalars), tuple(type(s) for s in host_scalars), dev_index)
     program = _programs.get(cache_key)
@@ -551,7 +595,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -
         updated, new = fused.RECORDER.record(program, tuple(bufs), tuple(call.scalars), tuple(hosts),
                                              tuple(host_scalars), rng)
     elif bufs or hosts:  # committed inputs already pin the program to their device
-        updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
+        updated, new = program.call(bufs, tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng,
+                                    STATE.table._buffers, dev_index)
     else:
         with jax.default_device(jdev):
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
@@ -600,7 +645,8 @@ _warned: set[str] = set()
 
 
 def cache_info() -> dict[str, Any]:
-    return {"programs": len(_programs), "compiles": sum(compile_counter.values()), "fast_entries": len(_fast)}
+    return {"programs": len(_programs), "compiles": sum(compile_counter.values()), "fast_entries": len(_fast),
+            "donated_writes": donated_writes}
 
 
 def clear_cache() -> None:

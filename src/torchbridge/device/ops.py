@@ -434,6 +434,7 @@ def metrics() -> dict[str, Any]:
         "compiles": info["compiles"],
         "compiles_by_op": dict(dispatch.compile_counter),
         "fast_path_entries": info["fast_entries"],
+        "donated_writes": info["donated_writes"],
         "cpu_fallbacks": dict(dispatch.cpu_fallback_counter),
         "live_storages": len(STATE.table),
     }
