@@ -516,3 +516,24 @@ def test_device_name_from_environment() -> None:
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "device='neuron:0'" in res.stdout
+
+
+def test_pinned_memory_and_non_blocking_copies() -> None:
+    """`pin_memory()`, `.to(..., non_blocking=True)` both ways, and DataLoader(pin_memory=True), as a
+    CUDA training loop uses them."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.randn(4, 5)
+    pinned = x.pin_memory()
+    assert pinned.is_pinned() and not x.is_pinned()
+    torch.testing.assert_close(pinned, x)
+    on_dev = pinned.to(DEV, non_blocking=True)
+    back = on_dev.mul(2).to("cpu", non_blocking=True)
+    getattr(torch, DEV).synchronize()
+    torch.testing.assert_close(back, x * 2)
+    data = torch.arange(12.0).reshape(6, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # older spellings of the pin-memory device are deprecated
+        batches = [b.to(DEV, non_blocking=True).sum().item()
+                   for (b,) in DataLoader(TensorDataset(data), batch_size=3, pin_memory=True)]
+    assert batches == [data[:3].sum().item(), data[3:].sum().item()]

@@ -17,11 +17,13 @@
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/strides.h>
 
 #include <atomic>
 #include <mutex>
 #include <tuple>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -131,7 +133,42 @@ void resize_storage_bytes(const c10::Storage& storage, size_t newsize) {
   impl->set_nbytes(newsize);
 }
 
+// ---- pinned host memory ------------------------------------------------------------------------
+// `x.pin_memory()`, `.to("cpu", non_blocking=True)` and DataLoader(pin_memory=True) ask the backend for
+// a pinned allocator. PJRT copies from any host buffer, so plain CPU memory serves; the live
+// pointers are remembered so that `is_pinned()` answers truthfully.
+std::mutex g_pinned_mutex;
+std::unordered_set<void*> g_pinned;
+
+void pinned_free(void* p) {
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    g_pinned.erase(p);
+  }
+  c10::free_cpu(p);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* p = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    if (p) {
+      std::lock_guard<std::mutex> lock(g_pinned_mutex);
+      g_pinned.insert(p);
+    }
+    return {p, p, &pinned_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &pinned_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+};
+
+PinnedAllocator g_pinned_allocator;
+
 struct Hooks final : at::PrivateUse1HooksInterface {
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  bool isPinnedPtr(const void* data) const override {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    return g_pinned.count(const_cast<void*>(data)) > 0;
+  }
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
