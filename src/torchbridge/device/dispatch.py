@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchbridge.device import dtypes, fused, storage, views
+from torchbridge.device import dtypes, fused, native, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -152,8 +152,6 @@ _devices: dict[int, torch.device] = {}
 
 def _dtype_codes() -> dict[int, tuple[torch.dtype, Any]]:
     if not _CODES:
-        from torchbridge.device import native
-
         probes = [torch.empty(0, dtype=dt) for dt in dtypes.TORCH_TO_JAX]
         for t, d in zip(probes, native.load().describe(probes), strict=True):
             _CODES[d[2]] = (t.dtype, dtypes.TORCH_TO_JAX[t.dtype])
@@ -162,8 +160,6 @@ def _dtype_codes() -> dict[int, tuple[torch.dtype, Any]]:
 
 def _classify(op: Any, call: _Call, device_type: str, allow_host: bool) -> tuple[list, list, list, torch.device | None]:
     """Per tensor: a _DeviceArg or a host descriptor. Returns (descs, storage keys, storage infos, device)."""
-    from torchbridge.device import native
-
     codes = _CODES or _dtype_codes()
     descs: list[Any] = []
     slots: dict[int, int] = {}
@@ -221,8 +217,7 @@ class _Program:
     _avals: Any = None
     _donating: Any = None
 
-    def call(self, bufs: list, scalars: tuple, hosts: tuple, host_scalars: tuple, rng: Any, table: dict,
-             dev_index: int) -> Any:
+    def call(self, bufs: list, scalars: tuple, hosts: tuple, host_scalars: tuple, rng: Any, dev_index: int) -> Any:
         """Run the program. A large storage it writes whose buffer nothing else holds is donated, so
         XLA updates it in place: a KV-cache write into a 32 MB pool then costs the rows written, not a
         copy of the pool (the table keeps the only reference, and the old buffer is replaced anyway)."""
@@ -482,12 +477,7 @@ _ARRAY = type(jnp.zeros(()))
 
 
 def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:
-    from torchbridge.device import native
-
     return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
-
-
-_native_mod: Any = None
 
 
 def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
@@ -508,16 +498,13 @@ def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
         return MISS
     program = entry.program
     rng = STATE.next_rng(entry.dev_index) if program.random else None
-    updated, new = program.call(bufs, sig[2], (), (), rng, table, entry.dev_index)
+    updated, new = program.call(bufs, sig[2], (), (), rng, entry.dev_index)
     STATE.last_results[entry.dev_index] = (updated, new)
     for slot, buf in zip(program.writes, updated, strict=True):
         table[ptrs[slot]] = buf
     if entry.returns is not None:
-        if entry.returns_none:
-            return None
-        vals = [args[r] if isinstance(r, int) else kwargs[r] for r in entry.returns]
-        return vals[0] if len(vals) == 1 else tuple(vals)
-    new_tensor = _native_mod.new_tensor
+        return None if entry.returns_none else _returned_args(entry.returns, args, kwargs)
+    new_tensor = native.load().new_tensor
     outs = []
     for (shape, strides, code), buf in zip(entry.outputs, new, strict=True):
         t, key = new_tensor(shape, strides, code, entry.dev_index)
@@ -526,21 +513,27 @@ def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
     return outs[0] if entry.single else _rebuild(program.out_struct, outs)
 
 
+def _returned_positions(info: OpInfo_, kwargs: dict) -> tuple | None:
+    """Where an in-place or out= op's return value comes from: the positions (or kwarg names) of
+    the arguments it wrote; None for ops that return new tensors."""
+    if not (info.out_args or info.inplace):
+        return None
+    return tuple(n if n in kwargs else info.arg_names.index(n) for n in info.out_args or (info.mutated[0],))
+
+
+def _returned_args(returns: tuple, args: tuple, kwargs: dict) -> Any:
+    vals = [args[r] if isinstance(r, int) else kwargs[r] for r in returns]
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
 def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
                    device: torch.device, args: tuple, kwargs: dict) -> None:
-    returns = None
-    if info.out_args or info.inplace:
-        names = info.out_args or (info.mutated[0],)
-        returns = tuple(n if n in kwargs else info.arg_names.index(n) for n in names)
+    returns = _returned_positions(info, kwargs)
     jdev = STATE.jax_device(device.index or 0)
     zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
                                                                                           strict=True))
     codes = {dt: code for code, (dt, _) in (_CODES or _dtype_codes()).items()}
     outputs = tuple((list(shape), list(strides), codes[dt]) for shape, strides, dt in program.outputs)
-    global _native_mod
-    from torchbridge.device import native
-
-    _native_mod = native.load()
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device, device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0))
 
@@ -595,8 +588,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -
         updated, new = fused.RECORDER.record(program, tuple(bufs), tuple(call.scalars), tuple(hosts),
                                              tuple(host_scalars), rng)
     elif bufs or hosts:  # committed inputs already pin the program to their device
-        updated, new = program.call(bufs, tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng,
-                                    STATE.table._buffers, dev_index)
+        updated, new = program.call(bufs, tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng, dev_index)
     else:
         with jax.default_device(jdev):
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
@@ -606,12 +598,10 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -
             _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
-    if info.out_args or info.inplace:
-        names = info.out_args or (info.mutated[0],)
-        vals = [args[info.arg_names.index(n)] if n not in kwargs else kwargs[n] for n in names]
-        result = vals[0] if len(vals) == 1 else tuple(vals)
-        if not op._schema.returns:  # e.g. _fused_adam_ mutates its lists and returns nothing
-            result = None
+    returns = _returned_positions(info, kwargs)
+    if returns is not None:
+        # e.g. _fused_adam_ mutates its lists and returns nothing
+        result = _returned_args(returns, args, kwargs) if op._schema.returns else None
     else:
         outs = []
         for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):

@@ -406,10 +406,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "new_tensor",
       [](std::vector<int64_t> size, std::vector<int64_t> stride, int scalar_type, int device) {
-        // What torch.empty_strided(..., device=tpu:N) runs, without the Python argument parsing.
-        c10::DeviceGuard guard(c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
-        at::Tensor t = at::detail::empty_strided_generic(size, stride, &g_allocator, device_keys(),
-                                                   static_cast<at::ScalarType>(scalar_type));
+        // The device's empty_strided kernel, without torch.empty_strided's Python argument parsing.
+        at::Tensor t = empty_strided(size, stride, static_cast<at::ScalarType>(scalar_type), std::nullopt,
+                                     c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)), std::nullopt);
         return pybind11::make_tuple(t, reinterpret_cast<uint64_t>(t.storage().data()));
       },
       "a fresh device tensor and its storage key");
