@@ -40,6 +40,7 @@ def test_repeat_calls_take_the_fast_path_without_new_programs():
         out = a + b
     assert torchbridge.metrics()["compiles"] == before["compiles"]
     assert torchbridge.metrics()["fast_path_entries"] >= 1
+    assert torchbridge.metrics()["fast_path_hits"] >= before["fast_path_hits"] + 5
     torch.testing.assert_close(out.cpu(), _data(0, 5, 6) + _data(1, 5, 6))
 
 
@@ -151,3 +152,37 @@ def test_result_still_pending_when_its_input_is_overwritten():
     getattr(torch, DEV).synchronize()
     torch.testing.assert_close(total.cpu(), ref_x.sum(0), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(x.cpu(), ref_x + 3.0)
+
+
+@_FUSED
+def test_switching_to_fused_mode_stops_the_fast_path():
+    """native.fast_call must not serve a remembered call while fused mode records: the recorder has
+    to see every op, or a later read would miss its write."""
+    a, b = _data(0, 4, 4).to(DEV), _data(1, 4, 4).to(DEV)
+    for _ in range(2):
+        (a * b).cpu()
+    torchbridge.set_eager_mode("fused")
+    try:
+        before = torchbridge.metrics()
+        out = a * b
+        out.add_(1.0)
+        recorded = torchbridge.metrics()["fused"]["ops_fused"] + torchbridge.metrics()["fused"]["pending_ops"]
+        assert torchbridge.metrics()["fast_path_hits"] == before["fast_path_hits"]
+        assert recorded > before["fused"]["ops_fused"] + before["fused"]["pending_ops"]
+        torch.testing.assert_close(out.cpu(), _data(0, 4, 4) * _data(1, 4, 4) + 1.0)
+    finally:
+        torchbridge.set_eager_mode("eager")
+    before = torchbridge.metrics()["fast_path_hits"]
+    torch.testing.assert_close((a * b).cpu(), _data(0, 4, 4) * _data(1, 4, 4))
+    assert torchbridge.metrics()["fast_path_hits"] > before
+
+
+def test_conjugate_view_after_a_plain_entry_with_the_same_layout():
+    """mm sees conj views unresolved; the key carries the conj/neg bits so a plain call's program is
+    not reused for them."""
+    def fn(dev: str, i: int) -> torch.Tensor:
+        a = torch.complex(_data(i, 3, 3), _data(i + 2, 3, 3)).to(dev)
+        b = torch.complex(_data(i + 1, 3, 3), -_data(i, 3, 3)).to(dev)
+        return torch.mm(a.conj() if i % 2 else a, b) + torch.mm(a, torch._neg_view(b) if i % 3 == 2 else b)
+
+    _repeat_matches_cpu(fn, times=6)

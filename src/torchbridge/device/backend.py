@@ -22,7 +22,7 @@ def register(name: str = "tpu") -> None:
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
     _enable_persistent_cache()
-    from torchbridge.device import device_module, native, ops
+    from torchbridge.device import device_module, dispatch, native, ops
 
     mod = native.load()
     STATE.name = name
@@ -31,9 +31,10 @@ def register(name: str = "tpu") -> None:
     torch._register_device_module(name, device_module.DeviceModule())
     mod.install(_device_count())
     _library = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback needs the wildcard library
-    _library.fallback(ops.fallback, dispatch_key="PrivateUse1")
+    _library.fallback(mod.fast_call, dispatch_key="PrivateUse1")  # repeat calls in C++, the rest: ops.fallback
     _aten_library.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "PrivateUse1")
     ops.register_kernels()
+    dispatch.install_fast_path(ops.fallback)
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
     # pyproject.toml, so importing torchbridge does not import Dynamo.

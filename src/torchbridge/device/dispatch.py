@@ -469,6 +469,10 @@ class _Fast(NamedTuple):
     zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
     outputs: tuple  # per new output: (shape, strides, c10 ScalarType code)
     single: bool  # the op returns exactly one new tensor
+    fn: Any  # program.fn, program.writes, program.random, program.out_struct: read by native.fast_call by
+    writes: tuple  # position (see _Fast fields in csrc/native.cpp), so they are copied here
+    random: bool
+    out_struct: Any
 
 
 _fast: dict[Any, _Fast] = {}
@@ -535,7 +539,18 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     codes = {dt: code for code, (dt, _) in (_CODES or _dtype_codes()).items()}
     outputs = tuple((list(shape), list(strides), codes[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device, device.index or 0, returns,
-                          not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0))
+                          not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
+                          program.fn, tuple(program.writes), bool(program.random), program.out_struct)
+    native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)
+
+
+def install_fast_path(slow: Any) -> None:
+    """Hand native.fast_call (every op's device kernel) what it needs to serve remembered calls
+    without entering Python; `slow` is the Python fallback it calls for everything else."""
+    mod = native.load()
+    mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
+                   STATE.next_rng, _rebuild, _Fast._fields)
+    mod.fast_enable(not fused.active())
 
 
 # ---- the entry point ---------------------------------------------------------------------------

@@ -123,6 +123,10 @@ def set_mode(mode: str) -> None:
 
         STATE.table.flush()
     _mode = mode
+    from torchbridge.device import native
+
+    if native.loaded():  # the C++ fast path would bypass the recorder
+        native.load().fast_enable(mode == "eager")
 
 
 def mode() -> str:

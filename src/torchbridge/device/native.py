@@ -21,6 +21,10 @@ def _build_dir() -> Path:
     return path
 
 
+def loaded() -> bool:
+    return _module is not None
+
+
 def load() -> ModuleType:
     """The compiled extension; the first call in a fresh cache compiles it (~25 s on 2 cores)."""
     global _module

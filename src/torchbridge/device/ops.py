@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchbridge.device import dispatch, dtypes, fused, views
+from torchbridge.device import dispatch, dtypes, fused, native, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -387,13 +387,15 @@ def register_kernels() -> None:
     from torchbridge.device import lowerings  # noqa: F401
 
     if _override_lib is None:
+        # Each kernel is native.fast_call(op, ...): repeat calls are served in C++, the rest reach `fallback`.
+        fast = native.load().fast_call
         _override_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kernels for existing aten ops
         for name in sorted(registry.KERNEL_OVERRIDES):
             packet, _, overload = name.partition(".")
             op = getattr(getattr(aten, packet), overload or "default")
-            _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+            _override_lib.impl(op, functools.partial(fast, op), "PrivateUse1")
         for op in _structured_functional_ops():
-            _override_lib.impl(op, functools.partial(fallback, op), "PrivateUse1")
+            _override_lib.impl(op, functools.partial(fast, op), "PrivateUse1")
         for key in _MATH_BIT_KEYS:
             for name in _COPY_FROM:
                 _override_lib.impl(name, torch.library.fallthrough_kernel, key)
@@ -434,6 +436,7 @@ def metrics() -> dict[str, Any]:
         "compiles": info["compiles"],
         "compiles_by_op": dict(dispatch.compile_counter),
         "fast_path_entries": info["fast_entries"],
+        "fast_path_hits": native.load().fast_hits(),
         "donated_writes": info["donated_writes"],
         "cpu_fallbacks": dict(dispatch.cpu_fallback_counter),
         "live_storages": len(STATE.table),

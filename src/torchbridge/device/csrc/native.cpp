@@ -66,6 +66,7 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
 // Event kinds drained by Python: 0 = free(ptr), 1 = resize(old_ptr -> new_ptr, new_nbytes).
 std::mutex g_events_mutex;
 std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t>> g_events;
+std::atomic<bool> g_has_events{false};  // lets the fast path skip a Python drain() when nothing is queued
 std::atomic<uint64_t> g_next_address{uint64_t(1) << 44};  // far from any real mapping
 constexpr int kMaxDevices = 64;
 std::atomic<int64_t> g_live_bytes[kMaxDevices];
@@ -74,6 +75,7 @@ std::atomic<int64_t> g_peak_bytes[kMaxDevices];
 void push_event(int kind, uint64_t a, uint64_t b, uint64_t c) {
   std::lock_guard<std::mutex> lock(g_events_mutex);
   g_events.emplace_back(kind, a, b, c);
+  g_has_events.store(true, std::memory_order_relaxed);
 }
 
 std::mutex g_sizes_mutex;
@@ -253,6 +255,7 @@ std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t>> drain_events() {
   std::lock_guard<std::mutex> lock(g_events_mutex);
   std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t>> out;
   out.swap(g_events);
+  g_has_events.store(false, std::memory_order_relaxed);
   return out;
 }
 
@@ -318,6 +321,8 @@ bool add(PyObject* obj, bool dynamic, std::string& blob, pybind11::list& consts,
     put(blob, t.storage_offset());
     put(blob, static_cast<int64_t>(t.scalar_type()));
     put(blob, t.device().index());
+    // conj/neg views reach some kernels unresolved (mm, dot, ...): a different program
+    put(blob, static_cast<int64_t>(t.is_conj()) | (static_cast<int64_t>(t.is_neg()) << 1));
     return true;
   }
   if (dynamic && (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj) || PyBool_Check(obj))) {
@@ -340,33 +345,249 @@ bool add(PyObject* obj, bool dynamic, std::string& blob, pybind11::list& consts,
   return true;
 }
 
+// The key of one call: args[start:] and kwargs (may be null). False when the call needs the general path.
+bool build(int64_t op_id, PyObject* args, Py_ssize_t start, PyObject* kwargs, PyObject* dynamic, PyObject* dynamic_kw,
+           pybind11::object& key, std::vector<uint64_t>& ptrs, pybind11::list& scalars) {
+  std::string blob;
+  pybind11::list consts;
+  bool any_device = false;
+  Py_ssize_t n = PyTuple_GET_SIZE(args), ndyn = PyTuple_GET_SIZE(dynamic);
+  for (Py_ssize_t i = start; i < n; ++i) {
+    bool dyn = i - start < ndyn && PyTuple_GET_ITEM(dynamic, i - start) == Py_True;
+    if (!add(PyTuple_GET_ITEM(args, i), dyn, blob, consts, ptrs, scalars, any_device)) return false;
+  }
+  if (kwargs != nullptr) {
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &name, &value)) {
+      put(blob, 'K');
+      consts.append(pybind11::handle(name));
+      int dyn = PySet_Contains(dynamic_kw, name);
+      if (dyn < 0) throw pybind11::error_already_set();
+      if (!add(value, dyn == 1, blob, consts, ptrs, scalars, any_device)) return false;
+    }
+  }
+  if (!any_device) return false;
+  pybind11::tuple k(2 + consts.size());
+  k[0] = pybind11::int_(op_id);
+  k[1] = pybind11::bytes(blob);
+  for (size_t i = 0; i < consts.size(); ++i) k[2 + i] = consts[i];
+  key = std::move(k);
+  return true;
+}
+
 pybind11::object signature(int64_t op_id, pybind11::tuple args, pybind11::dict kwargs, pybind11::tuple dynamic,
                            pybind11::frozenset dynamic_kw) {
-  std::string blob;
-  pybind11::list consts, scalars;
+  pybind11::object key;
+  pybind11::list scalars;
   std::vector<uint64_t> ptrs;
-  bool any_device = false;
-  for (size_t i = 0; i < args.size(); ++i) {
-    bool dyn = i < dynamic.size() && dynamic[i].cast<bool>();
-    if (!add(args[i].ptr(), dyn, blob, consts, ptrs, scalars, any_device)) return pybind11::none();
-  }
-  for (auto item : kwargs) {
-    put(blob, 'K');
-    consts.append(item.first);
-    if (!add(item.second.ptr(), dynamic_kw.contains(item.first), blob, consts, ptrs, scalars, any_device))
-      return pybind11::none();
-  }
-  if (!any_device) return pybind11::none();
-  pybind11::tuple key(2 + consts.size());
-  key[0] = pybind11::int_(op_id);
-  key[1] = pybind11::bytes(blob);
-  for (size_t i = 0; i < consts.size(); ++i) key[2 + i] = consts[i];
+  if (!build(op_id, args.ptr(), 0, kwargs.ptr(), dynamic.ptr(), dynamic_kw.ptr(), key, ptrs, scalars))
+    return pybind11::none();
   pybind11::tuple p(ptrs.size());
   for (size_t i = 0; i < ptrs.size(); ++i) p[i] = pybind11::int_(ptrs[i]);
   return pybind11::make_tuple(key, p, pybind11::tuple(scalars));
 }
 
 }  // namespace sig
+
+// ---- the eager fast path's entry point ------------------------------------------------------------
+// Every device kernel the Python side registers is `fast_call(op, *args, **kwargs)`. A repeat call
+// (same key as a call the general path already ran) is served here: key, buffer lookup, the jitted
+// program, the output tensors. Anything else, or anything unusual on the way, goes to the Python
+// fallback, which runs the same call through the general path (and may remember it for next time).
+namespace fastpath {
+
+// Set once by Python (dispatch.install_fast_path) and kept for the life of the process.
+PyObject* g_fast = nullptr;        // dict: key -> dispatch._Fast
+PyObject* g_table = nullptr;       // dict: storage address -> buffer (the storage table)
+PyObject* g_array_type = nullptr;  // the concrete buffer class; anything else (fused placeholders) goes slow
+PyObject* g_last = nullptr;        // dict: device index -> last results (what synchronize() waits on)
+PyObject* g_slow = nullptr;        // ops.fallback(op, *args, **kwargs)
+PyObject* g_drain = nullptr;       // the storage table's drain()
+PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index)
+PyObject* g_rebuild = nullptr;     // dispatch._rebuild(out_struct, outputs)
+PyObject* g_dtype = nullptr;       // "dtype"
+PyObject* g_call = nullptr;        // "call"
+bool g_enabled = false;            // off in fused eager mode (the recorder must see every op)
+uint64_t g_hits = 0;               // calls served here (torchbridge.metrics()["fast_path_hits"])
+std::unordered_map<PyObject*, std::pair<PyObject*, PyObject*>> g_ops;  // op -> (dynamic per position, dynamic kwargs)
+
+// dispatch._Fast's fields, in order; setup() checks them.
+enum Field { kProgram, kBufferDtypes, kDeviceField, kDevIndex, kReturns, kReturnsNone, kZeros, kOutputs, kSingle, kFn,
+             kWrites, kRandom, kOutStruct, kNumFields };
+const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "device",  "dev_index", "returns",
+                                       "returns_none", "zeros", "outputs", "single", "fn", "writes",
+                                       "random", "out_struct"};
+
+void setup(pybind11::object fast, pybind11::object table, pybind11::object array_type, pybind11::object last,
+           pybind11::object slow, pybind11::object drain, pybind11::object next_rng, pybind11::object rebuild,
+           pybind11::tuple fields) {
+  TORCH_CHECK(fields.size() == kNumFields, "torchbridge: _Fast has ", fields.size(), " fields, the fast path expects ",
+              static_cast<int>(kNumFields));
+  for (int i = 0; i < kNumFields; ++i)
+    TORCH_CHECK(fields[i].cast<std::string>() == kFieldNames[i], "torchbridge: _Fast field ", i, " is ",
+                fields[i].cast<std::string>(), ", the fast path expects ", kFieldNames[i]);
+  g_fast = fast.release().ptr();
+  g_table = table.release().ptr();
+  g_array_type = array_type.release().ptr();
+  g_last = last.release().ptr();
+  g_slow = slow.release().ptr();
+  g_drain = drain.release().ptr();
+  g_next_rng = next_rng.release().ptr();
+  g_rebuild = rebuild.release().ptr();
+  g_dtype = PyUnicode_InternFromString("dtype");
+  g_call = PyUnicode_InternFromString("call");
+}
+
+void register_op(pybind11::object op, pybind11::tuple dynamic, pybind11::frozenset dynamic_kw) {
+  if (g_ops.count(op.ptr())) return;
+  g_ops.emplace(op.release().ptr(), std::make_pair(dynamic.release().ptr(), dynamic_kw.release().ptr()));
+}
+
+using pybind11::object;
+using pybind11::reinterpret_borrow;
+using pybind11::reinterpret_steal;
+
+object checked(PyObject* o) {
+  if (o == nullptr) throw pybind11::error_already_set();
+  return reinterpret_steal<object>(o);
+}
+
+std::vector<int64_t> ints(PyObject* seq) {
+  std::vector<int64_t> out;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i)));
+  return out;
+}
+
+// The result of a hit, or a null object for "take the general path" (no Python error set).
+object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
+  auto known = g_ops.find(op);
+  if (known == g_ops.end()) return object();
+  object key;
+  pybind11::list scalar_list;
+  std::vector<uint64_t> ptrs;
+  if (!sig::build(reinterpret_cast<int64_t>(op), args, 1, kwargs, known->second.first, known->second.second, key,
+                  ptrs, scalar_list))
+    return object();
+  PyObject* entry = PyDict_GetItemWithError(g_fast, key.ptr());  // borrowed
+  if (entry == nullptr) {
+    if (PyErr_Occurred()) throw pybind11::error_already_set();
+    return object();
+  }
+  PyObject* dtypes = PyTuple_GET_ITEM(entry, kBufferDtypes);
+  std::vector<object> keys;
+  keys.reserve(ptrs.size());
+  pybind11::list bufs(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    keys.push_back(checked(PyLong_FromUnsignedLongLong(ptrs[i])));
+    PyObject* b = PyDict_GetItemWithError(g_table, keys.back().ptr());
+    if (b == nullptr) {
+      if (PyErr_Occurred()) throw pybind11::error_already_set();
+      return object();  // e.g. a fresh out= tensor: the general path gives it zeros
+    }
+    if (Py_TYPE(b) != reinterpret_cast<PyTypeObject*>(g_array_type)) return object();
+    object dt = checked(PyObject_GetAttr(b, g_dtype));
+    int same = PyObject_RichCompareBool(dt.ptr(), PyList_GET_ITEM(dtypes, i), Py_EQ);
+    if (same < 0) throw pybind11::error_already_set();
+    if (!same) return object();  // the storage holds another dtype's bits now
+    bufs[i] = reinterpret_borrow<object>(b);
+  }
+  PyObject* dev_index = PyTuple_GET_ITEM(entry, kDevIndex);
+  object rng = PyTuple_GET_ITEM(entry, kRandom) == Py_True
+                   ? checked(PyObject_CallOneArg(g_next_rng, dev_index))
+                   : reinterpret_borrow<object>(Py_None);
+  object scalars = checked(PySequence_Tuple(scalar_list.ptr()));
+  object empty = checked(PyTuple_New(0));
+  PyObject* writes = PyTuple_GET_ITEM(entry, kWrites);
+  object result;
+  if (PyTuple_GET_SIZE(writes) > 0) {
+    // _Program.call decides on buffer donation from reference counts: `bufs` must hold the only
+    // references besides the table's.
+    object call = checked(PyObject_GetAttr(PyTuple_GET_ITEM(entry, kProgram), g_call));
+    result = checked(PyObject_CallFunctionObjArgs(call.ptr(), bufs.ptr(), scalars.ptr(), empty.ptr(), empty.ptr(),
+                                                  rng.ptr(), dev_index, nullptr));
+  } else {
+    object tup = checked(PyList_AsTuple(bufs.ptr()));
+    result = checked(PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(entry, kFn), tup.ptr(), scalars.ptr(),
+                                                  empty.ptr(), empty.ptr(), rng.ptr(), nullptr));
+  }
+  bufs = pybind11::list();
+  object parts = checked(PySequence_Tuple(result.ptr()));
+  TORCH_CHECK(PyTuple_GET_SIZE(parts.ptr()) == 2, "torchbridge: a device program returned ",
+              PyTuple_GET_SIZE(parts.ptr()), " parts, expected (updated, new)");
+  if (PyDict_SetItem(g_last, dev_index, parts.ptr()) < 0) throw pybind11::error_already_set();
+  object updated = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 0), "updated buffers"));
+  object fresh = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 1), "new buffers"));
+  Py_ssize_t nw = PyTuple_GET_SIZE(writes);
+  TORCH_CHECK(PySequence_Fast_GET_SIZE(updated.ptr()) == nw, "torchbridge: a device program updated the wrong number of buffers");
+  for (Py_ssize_t i = 0; i < nw; ++i) {
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(writes, i));
+    if (PyDict_SetItem(g_table, keys.at(slot).ptr(), PySequence_Fast_GET_ITEM(updated.ptr(), i)) < 0)
+      throw pybind11::error_already_set();
+  }
+  PyObject* returns = PyTuple_GET_ITEM(entry, kReturns);
+  if (returns != Py_None) {
+    if (PyTuple_GET_ITEM(entry, kReturnsNone) == Py_True) return reinterpret_borrow<object>(Py_None);
+    Py_ssize_t nr = PyTuple_GET_SIZE(returns);
+    pybind11::tuple vals(nr);
+    for (Py_ssize_t i = 0; i < nr; ++i) {
+      PyObject* r = PyTuple_GET_ITEM(returns, i);
+      PyObject* v = PyLong_Check(r) ? PyTuple_GET_ITEM(args, 1 + PyLong_AsSsize_t(r)) : PyDict_GetItem(kwargs, r);
+      TORCH_CHECK(v != nullptr, "torchbridge: fast path lost a returned argument");
+      vals[i] = reinterpret_borrow<object>(v);
+    }
+    return nr == 1 ? object(vals[0]) : object(vals);
+  }
+  PyObject* outputs = PyTuple_GET_ITEM(entry, kOutputs);
+  Py_ssize_t no = PyTuple_GET_SIZE(outputs);
+  TORCH_CHECK(PySequence_Fast_GET_SIZE(fresh.ptr()) == no, "torchbridge: a device program made the wrong number of outputs");
+  auto device = c10::Device(kDevice, static_cast<c10::DeviceIndex>(PyLong_AsLong(dev_index)));
+  pybind11::list outs(no);
+  for (Py_ssize_t i = 0; i < no; ++i) {
+    PyObject* spec = PyTuple_GET_ITEM(outputs, i);  // (shape, strides, dtype code)
+    auto shape = ints(PyTuple_GET_ITEM(spec, 0));
+    auto strides = ints(PyTuple_GET_ITEM(spec, 1));
+    auto code = static_cast<at::ScalarType>(PyLong_AsLong(PyTuple_GET_ITEM(spec, 2)));
+    at::Tensor t = empty_strided(shape, strides, code, std::nullopt, device, std::nullopt);
+    object k = checked(PyLong_FromUnsignedLongLong(reinterpret_cast<uint64_t>(t.storage().data())));
+    if (PyDict_SetItem(g_table, k.ptr(), PySequence_Fast_GET_ITEM(fresh.ptr(), i)) < 0)
+      throw pybind11::error_already_set();
+    outs[i] = checked(THPVariable_Wrap(std::move(t)));
+  }
+  if (PyTuple_GET_ITEM(entry, kSingle) == Py_True) return outs[0];
+  return checked(PyObject_CallFunctionObjArgs(g_rebuild, PyTuple_GET_ITEM(entry, kOutStruct), outs.ptr(), nullptr));
+}
+
+PyObject* fast_call(PyObject*, PyObject* args, PyObject* kwargs) {
+  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) {
+    PyErr_SetString(PyExc_TypeError, "torchbridge: fast_call(op, *args, **kwargs)");
+    return nullptr;
+  }
+  if (!g_enabled) return PyObject_Call(g_slow, args, kwargs);
+  try {
+    if (g_has_events.load(std::memory_order_relaxed)) checked(PyObject_CallNoArgs(g_drain));
+    object r = hit(PyTuple_GET_ITEM(args, 0), args, kwargs);
+    if (r) {
+      ++g_hits;
+      return r.release().ptr();
+    }
+  } catch (pybind11::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return PyObject_Call(g_slow, args, kwargs);
+}
+
+PyMethodDef g_fast_call_def = {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call)),
+                               METH_VARARGS | METH_KEYWORDS,
+                               "fast_call(op, *args, **kwargs): the device kernel of every op (see native.cpp)"};
+
+}  // namespace fastpath
 
 bool g_registered = false;
 
@@ -412,6 +633,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return pybind11::make_tuple(t, reinterpret_cast<uint64_t>(t.storage().data()));
       },
       "a fresh device tensor and its storage key");
+  m.def("fast_setup", &fastpath::setup, "hand the fast path its dictionaries and Python fallbacks");
+  m.def("fast_register_op", &fastpath::register_op, "let fast_call serve this op's remembered calls");
+  m.def("fast_hits", []() { return fastpath::g_hits; });
+  m.def("fast_enable", [](bool on) { fastpath::g_enabled = on && fastpath::g_fast != nullptr; });
+  m.add_object("fast_call", pybind11::reinterpret_steal<pybind11::object>(
+                                PyCFunction_NewEx(&fastpath::g_fast_call_def, nullptr, nullptr)));
   m.def("current_device", []() { return static_cast<int>(t_current_device); });
   m.def("set_device", [](int d) {
     TORCH_CHECK(d >= 0 && d < g_device_count.load(), "torchbridge: invalid device index ", d, " (",
