@@ -203,6 +203,24 @@ def _index_masks(op, args, kwargs):
     return dispatch.run(op, args, kwargs)
 
 
+@direct(aten.repeat_interleave.Tensor)
+def _repeat_interleave_counts(op, args, kwargs):
+    # repeat_interleave(repeats) -> [0]*r0 + [1]*r1 + ...: the output length is data-dependent, so (as on
+    # CUDA) it is read back unless output_size is given; then it is one searchsorted over the running sum.
+    repeats = args[0]
+    output_size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+    if repeats.dim() != 1:
+        raise RuntimeError(f"repeat_interleave: repeats must be 0-dim or 1-dim tensor, got shape {tuple(repeats.shape)}")
+    if repeats.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"repeat_interleave: repeats has to be Long or Int tensor, got {repeats.dtype}")
+    if repeats.numel() and bool((repeats < 0).any()):
+        raise RuntimeError("repeat_interleave: repeats can not be negative")
+    total = int(repeats.sum()) if output_size is None else int(output_size)
+    ends = repeats.cumsum(0)
+    return torch.searchsorted(ends, torch.arange(total, device=repeats.device, dtype=ends.dtype), right=True).to(
+        repeats.dtype)
+
+
 # ---- lazy conj/neg views -------------------------------------------------------------------------
 
 # `x.conj()` and `x.conj().imag` are views with a conj/neg bit: the storage is shared and readers apply
@@ -218,7 +236,7 @@ _MATH_BIT_OPS = [
         ("bmm", ("default", "out")), ("baddbmm", ("default", "out")), ("baddbmm_", ("default",)),
         ("dot", ("default", "out")), ("vdot", ("default", "out")),
         ("linalg_solve_triangular", ("default", "out")), ("linalg_svd", ("default", "U")),
-        ("repeat_interleave", ("Tensor", "self_Tensor", "self_int")),
+        ("repeat_interleave", ("self_Tensor", "self_int")),
         ("conj_physical", ("default", "out")), ("_conj_physical", ("default",)),
     )
     for overload in overloads
