@@ -90,8 +90,8 @@ def _to_device(value: Any, leaves: dict[int, Any] | None = None) -> Any:
             if leaves is not None:
                 leaves[id(value)] = t
         return t
-    if isinstance(value, torch.device) and value.type == "cpu":
-        return torch.device(DEVICE)
+    if (isinstance(value, torch.device) and value.type == "cpu") or (isinstance(value, str) and value == "cpu"):
+        return torch.device(DEVICE)  # e.g. x.to("cpu", torch.float64): the device run asks for the device
     if isinstance(value, list):
         return [_to_device(v, leaves) for v in value]
     if isinstance(value, tuple):
@@ -99,6 +99,10 @@ def _to_device(value: Any, leaves: dict[int, Any] | None = None) -> Any:
     if isinstance(value, dict):
         return {k: _to_device(v, leaves) for k, v in value.items()}
     return value
+
+
+# Positional arguments that PyTorch requires on the CPU whatever the device (CUDA raises too).
+_HOST_ARGS = {"tensor_split": (0,)}
 
 
 def _kwargs_to_device(kwargs: dict[str, Any], leaves: dict[int, Any] | None) -> dict[str, Any]:
@@ -320,6 +324,9 @@ def _run_sample(op: Any, s: Any, tol: dict[str, float], grad: bool, random: bool
     try:
         d_input = _to_device(s.input, leaves)
         d_args = _to_device(s.args, leaves)
+        for i in _HOST_ARGS.get(op.name, ()):
+            if i < len(s.args):  # an argument the op requires on the CPU (as on CUDA)
+                d_args = d_args[:i] + (s.args[i],) + d_args[i + 1:]
         d_kwargs = _kwargs_to_device(s.kwargs, leaves)
     except _Skip as e:
         return f"skip:{e}"
