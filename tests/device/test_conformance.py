@@ -48,7 +48,7 @@ CASES: list[tuple[str, str]] = [
     ("linalg.solve", "f32"), ("linalg.inv", "bwd"), ("cholesky", "f32"), ("linalg.det", "f32"),
     ("fft.rfft", "f32"), ("fft.irfft", "f32"), ("fft.ifft", "f32"), ("fft.hfft", "f32"), ("view_as_complex", "f32"),
     ("repeat_interleave", "f32"), ("repeat_interleave", "i64"), ("repeat_interleave", "bwd"), ("to", "f32"),
-    ("tensor_split", "i64"),
+    ("tensor_split", "i64"), ("as_strided.partial_views", "f32"),
     # indexing
     ("index_select", "f32"), ("gather", "f32"), ("masked_fill", "f32"), ("take", "i64"),
     ("__getitem__", "f32"),

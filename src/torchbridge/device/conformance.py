@@ -101,6 +101,22 @@ def _to_device(value: Any, leaves: dict[int, Any] | None = None) -> Any:
     return value
 
 
+def _with_storage(value: Any, leaves: dict[int, Any]) -> Any:
+    """The input moved with its whole storage and the same view of it: as_strided reads storage outside
+    the view (a plain .to() copies only the view's elements)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_complex():
+        return _to_device(value, leaves)
+    flat = torch.empty(0, dtype=value.dtype)
+    flat.set_(value.detach().untyped_storage(), 0, (value.untyped_storage().nbytes() // value.element_size(),))
+    t = flat.to(DEVICE).as_strided(value.size(), value.stride(), value.storage_offset()).detach()
+    if value.requires_grad:
+        t.requires_grad_(True)
+        leaves[id(value)] = t
+    return t
+
+
 # Positional arguments that PyTorch requires on the CPU whatever the device (CUDA raises too).
 _HOST_ARGS = {"tensor_split": (0,)}
 
@@ -322,7 +338,7 @@ def _run_sample(op: Any, s: Any, tol: dict[str, float], grad: bool, random: bool
     # Copy to the device first: an in-place op mutates the CPU sample.
     leaves: dict[int, Any] = {}
     try:
-        d_input = _to_device(s.input, leaves)
+        d_input = _with_storage(s.input, leaves) if op.name.startswith("as_strided") else _to_device(s.input, leaves)
         d_args = _to_device(s.args, leaves)
         for i in _HOST_ARGS.get(op.name, ()):
             if i < len(s.args):  # an argument the op requires on the CPU (as on CUDA)
