@@ -132,3 +132,36 @@ def test_dropout():
     z = torch.randn(8, device=DEV)
     assert torch.equal(F.dropout(z, p, training=False).cpu(), z.cpu())
     assert torch.equal(F.dropout(z, 1.0, training=True).cpu(), torch.zeros(8))
+
+
+def test_device_generator_reproduces_and_is_independent_of_the_default_stream():
+    g = torch.Generator(device=DEV)
+    assert g.device.type == DEV
+    g.manual_seed(11)
+    first = [torch.randn(64, generator=g, device=DEV).cpu(), torch.rand(64, generator=g, device=DEV).cpu()]
+    x = torch.empty(N, device=DEV).normal_(2.0, 0.5, generator=g).cpu()
+    g.manual_seed(11)
+    torch.manual_seed(0)
+    torch.randn(64, device=DEV)  # draws from the device's default stream must not move the generator
+    again = [torch.randn(64, generator=g, device=DEV).cpu(), torch.rand(64, generator=g, device=DEV).cpu()]
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], torch.randn(64, generator=torch.Generator(device=DEV).manual_seed(12),
+                                                 device=DEV).cpu())
+    assert abs(float(x.mean()) - 2.0) < 5 * 0.5 / N**0.5 and abs(float(x.std()) - 0.5) < 0.02
+
+
+def test_device_generator_state_roundtrip_and_bernoulli():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    state = g.get_state()
+    p = torch.full((N,), 0.3, device=DEV)
+    m = torch.bernoulli(p, generator=g).cpu()
+    g.set_state(state)
+    assert torch.equal(m, torch.bernoulli(p, generator=g).cpu())
+    assert abs(float(m.mean()) - 0.3) < 5 * (0.3 * 0.7 / N) ** 0.5
+
+
+def test_cpu_generator_for_a_device_op_is_an_error():
+    # CUDA raises too: a generator's numbers cannot come from another device's stream.
+    with pytest.raises(RuntimeError, match="device type for generator"):
+        torch.randn(4, generator=torch.Generator().manual_seed(0), device=DEV)

@@ -555,7 +555,9 @@ def install_fast_path(slow: Any) -> None:
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -> Any:
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, rng: Any = None) -> Any:
+    """Run one op through the general path. `rng`: the RNG key for a random op drawn from a
+    torch.Generator (default: the device's own stream)."""
     info = op_info(op)
     if info.lowering is None:
         raise UnsupportedOp(str(op))
@@ -597,8 +599,11 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None) -
             _resize_outs(kwargs[name], shapes)
         # Apply the resize events now: a late drain would overwrite the result with the old contents.
         STATE.table.drain()
-        return run(op, args, kwargs)
-    rng = STATE.next_rng(dev_index) if program.random else None
+        return run(op, args, kwargs, rng=rng)
+    if not program.random:
+        rng = None
+    elif rng is None:
+        rng = STATE.next_rng(dev_index)
     if lazy:
         updated, new = fused.RECORDER.record(program, tuple(bufs), tuple(call.scalars), tuple(hosts),
                                              tuple(host_scalars), rng)

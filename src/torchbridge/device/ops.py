@@ -376,6 +376,8 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """The fallback past the direct handlers: lowering, then decomposition, then CPU (if enabled)."""
     info = dispatch.op_info(op)
     if info.lowering is not None:
+        if kwargs and kwargs.get("generator") is not None:
+            return _run_with_generator(op, args, kwargs)
         if getattr(info.lowering.fn, "dynamic_shape", False):
             return run_dynamic(op, info.lowering, args, kwargs)
         sig = None if fused.active() else dispatch.signature(op, info, args, kwargs)
@@ -397,6 +399,18 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if _cpu_fallback:
         return run_on_cpu(op, args, kwargs)
     raise _unsupported(op)
+
+
+def _run_with_generator(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """A random op given a torch.Generator: its (seed, offset) is the op's RNG key, and the offset
+    advances. The generator is not part of the program, so every generator shares the op's program."""
+    gen = kwargs["generator"]
+    if gen.device.type != STATE.name:
+        raise RuntimeError(f"{op}: expected a '{STATE.name}' device type for generator but found '{gen.device.type}'")
+    offset = gen.get_offset()
+    gen.set_offset(offset + 1)
+    rng = (np.uint64(gen.initial_seed()), np.uint64(offset))
+    return dispatch.run(op, args, {k: v for k, v in kwargs.items() if k != "generator"}, rng=rng)
 
 
 def register_kernels() -> None:

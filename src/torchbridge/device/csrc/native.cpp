@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -165,7 +166,54 @@ struct PinnedAllocator final : c10::Allocator {
 
 PinnedAllocator g_pinned_allocator;
 
+// ---- generators --------------------------------------------------------------------------------
+// torch.Generator(device="tpu"): a (seed, offset) pair. Python draws from it (seed, offset), then
+// advances the offset, and hands the pair to the op's program as its RNG key, exactly as the device's
+// default stream does; `manual_seed` restarts the offset, so a reseeded generator repeats itself.
+struct DeviceGenerator final : c10::GeneratorImpl {
+  explicit DeviceGenerator(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(kDevice, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.numel() == 16 && state.dtype() == caffe2::TypeMeta::Make<uint8_t>(),
+                "torchbridge: a generator state is 16 bytes (seed, offset), got ", state.numel());
+    const auto* bytes = static_cast<const uint64_t*>(state.data());
+    seed_ = bytes[0];
+    offset_ = bytes[1];
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    at::Tensor state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
+    auto* bytes = static_cast<uint64_t*>(state.data_ptr());
+    bytes[0] = seed_;
+    bytes[1] = offset_;
+    return state.getIntrusivePtr();
+  }
+
+ private:
+  DeviceGenerator* clone_impl() const override {
+    auto* g = new DeviceGenerator(device().index());
+    g->seed_ = seed_;
+    g->offset_ = offset_;
+    return g;
+  }
+  uint64_t seed_ = c10::default_rng_seed_val;
+  uint64_t offset_ = 0;
+};
+
 struct Hooks final : at::PrivateUse1HooksInterface {
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return at::make_generator<DeviceGenerator>(index < 0 ? t_current_device : index);
+  }
   at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   bool isPinnedPtr(const void* data) const override {
     std::lock_guard<std::mutex> lock(g_pinned_mutex);
