@@ -1,5 +1,6 @@
-"""The engine on the bridge's `tpu` device: the same greedy tokens as Hugging Face on CPU, and no
-XLA recompiles once the shape buckets are warm (counted by the bridge's compile counter)."""
+"""The engine on the bridge's `tpu` device, with each bucket's step compiled as one graph (the default)
+and op by op: the same greedy tokens as Hugging Face on CPU, and no XLA recompiles once the shape
+buckets are warm (counted by the bridge's compile counters)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,21 @@ DEV = torchbridge.device_name()
 MAX_NEW = 8
 
 
-@pytest.fixture(scope="module")
-def device_llm(llama_dir: Path) -> LLM:
+def _compiles() -> tuple[int, int]:
+    from torchbridge.compile import metrics
+
+    return torchbridge.metrics()["compiles"], metrics()["graphs_compiled"]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["compiled-step", "op-by-op"])
+def device_llm(llama_dir: Path, request: pytest.FixtureRequest) -> LLM:
+    before = _compiles()[1]
     llm = LLM(str(llama_dir), device=DEV, block_size=4, num_blocks=96, max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, compile_model=request.param)
+    assert llm.engine.config.compile_model is request.param
     assert llm.engine.runner.warmup(4, 32, progress=False) > 0
+    # the compiled variant really runs graphs (one per warmed bucket); the other compiles none
+    assert (_compiles()[1] > before) is request.param
     return llm
 
 
@@ -36,7 +47,7 @@ def test_steady_state_serving_does_not_recompile(device_llm: LLM, llama_dir: Pat
     prompts = mixed_prompts(3, hi=24)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     device_llm.generate(prompts, params)  # any shape not covered by warm-up is compiled here, once
-    before = torchbridge.metrics()["compiles"]
+    before = _compiles()
     outs = device_llm.generate(prompts, params)
-    assert torchbridge.metrics()["compiles"] == before
+    assert _compiles() == before
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]

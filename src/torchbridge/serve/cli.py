@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="K", help="n-gram lookup drafts of K tokens")
     p.add_argument("--shape-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
+    p.add_argument("--compile", dest="compile_model", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each shape bucket's whole step as one graph (default: on for the bridge's device)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run every shape bucket once at start-up (default: with --shape-buckets)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
-        shape_buckets=args.shape_buckets, served_model_name=args.served_model_name, seed=args.seed,
+        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
         kv_events=not args.no_kv_events,
     )
     engine = LLMEngine(config)

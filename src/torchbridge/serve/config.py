@@ -120,6 +120,13 @@ class ModelConfig:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _is_bridge_device(device: str) -> bool:
+    import sys
+
+    tb = sys.modules.get("torchbridge")
+    return tb is not None and torch.device(device).type == tb.device_name()
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -141,6 +148,9 @@ class EngineConfig:
     shape_buckets: bool | None = None
     # None: on without shape buckets. Decodes read K/V from per-sequence contiguous rows (attention.py).
     decode_workspace: bool | None = None
+    # None: on for the bridge's device. Each shape bucket's whole step (model and logits) is one
+    # torch.compile(backend=<device>) graph, i.e. one XLA executable, instead of one per op.
+    compile_model: bool | None = None
     served_model_name: str | None = None
     seed: int = 0
     kv_events: bool = True
@@ -166,6 +176,10 @@ class EngineConfig:
             self.shape_buckets = torch.device(self.device).type not in ("cpu", "cuda")
         if self.decode_workspace is None:
             self.decode_workspace = not self.shape_buckets
+        if self.compile_model is None:
+            self.compile_model = _is_bridge_device(self.device) and self.shape_buckets
+        if self.compile_model and not self.shape_buckets:
+            raise ValueError("compile_model needs shape_buckets: without them every step is a new shape to compile")
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

@@ -43,6 +43,27 @@ class StepInput:
     num_rows: int
 
 
+def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+          meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+    """One engine step: the model over every scheduled token, then the logits of the rows to sample."""
+    hidden = model(input_ids, positions, kv_caches, meta)
+    return model.compute_logits(hidden[sample_index])
+
+
+# Graphs per shape bucket that Dynamo may keep for the step (its default of 8 would send later
+# buckets back to eager): decode (batch x blocks) + prefill (tokens x blocks) + mixed steps.
+_MAX_STEP_GRAPHS = 512
+
+
+def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrapper of _step
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, _MAX_STEP_GRAPHS)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, _MAX_STEP_GRAPHS)
+    return torch.compile(_step, backend=device.type, dynamic=False)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,6 +85,7 @@ class ModelRunner:
                             config.num_blocks * config.block_size)
             if config.decode_workspace else None
         )
+        self._step = _compiled_step(self.device) if config.compile_model else _step
         # Shape keys of steps run, and of steps traced by warmup(): with buckets, steady state stays
         # within a small set (the tests check that decode steps only use warmed shapes).
         self.shapes_seen: set[tuple[int, ...]] = set()
@@ -219,8 +241,7 @@ class ModelRunner:
         """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
         inp = self.prepare(batch, pad)
         self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        logits = self.model.compute_logits(hidden[inp.sample_index])
+        logits = self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
         num_real = sum(c for _, c in inp.rows)
         return logits[:num_real].float().cpu(), inp.rows
 
@@ -246,8 +267,7 @@ class ModelRunner:
                                 lambda v: torch.tensor(v, dtype=torch.long, device=self.device))
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.device), groups=[group])
-            hidden = self.model(zeros, zeros, self.kv_caches, meta)
             sample_index = zeros[: _bucket(b) if kind == "decode" else 1]
-            self.model.compute_logits(hidden[sample_index])
+            self._step(self.model, zeros, zeros, self.kv_caches, meta, sample_index)
             self.shapes_warmed.add(self.shape_key(zeros, sample_index, meta))
         return len(shapes)
