@@ -150,11 +150,15 @@ _CODES: dict[int, tuple[torch.dtype, Any]] = {}  # c10 ScalarType code -> (torch
 _devices: dict[int, torch.device] = {}
 
 
+_CODE_OF: dict[torch.dtype, int] = {}  # torch dtype -> c10 ScalarType code
+
+
 def _dtype_codes() -> dict[int, tuple[torch.dtype, Any]]:
     if not _CODES:
         probes = [torch.empty(0, dtype=dt) for dt in dtypes.TORCH_TO_JAX]
         for t, d in zip(probes, native.load().describe(probes), strict=True):
             _CODES[d[2]] = (t.dtype, dtypes.TORCH_TO_JAX[t.dtype])
+            _CODE_OF[t.dtype] = d[2]
     return _CODES
 
 
@@ -536,8 +540,8 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     jdev = STATE.jax_device(device.index or 0)
     zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
                                                                                           strict=True))
-    codes = {dt: code for code, (dt, _) in (_CODES or _dtype_codes()).items()}
-    outputs = tuple((list(shape), list(strides), codes[dt]) for shape, strides, dt in program.outputs)
+    _CODES or _dtype_codes()
+    outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device, device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
                           program.fn, tuple(program.writes), bool(program.random), program.out_struct)
@@ -624,9 +628,15 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, r
         result = _returned_args(returns, args, kwargs) if op._schema.returns else None
     else:
         outs = []
+        new_tensor = native.load().new_tensor
         for (shape, strides, dt), buf in zip(program.outputs, new, strict=True):
-            t = torch.empty_strided(shape, strides, dtype=dt, device=device)
-            STATE.table.set(t.untyped_storage().data_ptr(), buf)
+            code = _CODE_OF.get(dt)
+            if code is None:  # a dtype the device cannot hold: let torch raise its own error
+                t = torch.empty_strided(shape, strides, dtype=dt, device=device)
+                key = t.untyped_storage().data_ptr()
+            else:
+                t, key = new_tensor(list(shape), list(strides), code, dev_index)
+            STATE.table.set(key, buf)
             outs.append(t)
         result = _rebuild(program.out_struct, outs)
     if lazy and len(fused.RECORDER.records) >= fused.MAX_OPS:
