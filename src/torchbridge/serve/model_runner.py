@@ -9,6 +9,7 @@ and are never sampled, so padded and unpadded steps give the same logits.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -249,8 +250,6 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool = True) -> int:
         """Run every decode bucket (batch x blocks) and every single-sequence prefill bucket once, so
         that a compiling backend has traced them before the first request. Returns the shape count."""
-        from tqdm import tqdm
-
         bs = self.block_size
         batches = [_bucket(1) * 2**i for i in range(max(1, _bucket(max_num_seqs).bit_length()))]
         batches = [x for x in batches if x <= _bucket(max_num_seqs)]
@@ -258,6 +257,20 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
+        # Each bucket is a new shape by design: the compile backend's recompile warnings would only be noise.
+        compile_log = logging.getLogger("torchbridge.compile.backend")
+        level = compile_log.level
+        compile_log.setLevel(logging.ERROR)
+        try:
+            self._warm(shapes, progress)
+        finally:
+            compile_log.setLevel(level)
+        return len(shapes)
+
+    def _warm(self, shapes: list[tuple[str, int, int]], progress: bool) -> None:
+        from tqdm import tqdm
+
+        bs = self.block_size
         for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
             b, t = (x, 1) if kind == "decode" else (1, x)
             n = _bucket(b * t, 16)
@@ -270,4 +283,3 @@ class ModelRunner:
             sample_index = zeros[: _bucket(b) if kind == "decode" else 1]
             self._step(self.model, zeros, zeros, self.kv_caches, meta, sample_index)
             self.shapes_warmed.add(self.shape_key(zeros, sample_index, meta))
-        return len(shapes)
