@@ -182,3 +182,52 @@ def test_kv_cache_writing_model_compiles_and_mutates_buffer():
             pos = torch.tensor([step])
             torch.testing.assert_close(compiled(x.to(DEV), pos.to(DEV)).cpu(), cpu(x, pos), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dev.cache.cpu(), cpu.cache, atol=1e-6, rtol=1e-5)
+
+
+def test_inference_graph_writes_its_inputs_in_place_like_cpu():
+    """Under no_grad AOTAutograd keeps input mutations in the graph (trailing copy_ nodes): the
+    executable returns the new values and the backend swaps them into the inputs' storages,
+    including a write into a view of a larger tensor and into a CPU scalar input."""
+
+    def f(buf, rows, x, count):
+        buf.mul_(0.5).add_(x)
+        rows.copy_(x[:2] * 3)
+        count.add_(1)
+        return buf.sum() + count
+
+    torch.manual_seed(0)
+    buf, big, x = torch.randn(4, 5), torch.randn(6, 5), torch.randn(4, 5)
+    ref = (buf.clone(), big.clone(), torch.tensor(0.0))
+    dev = (buf.to(DEV), big.to(DEV), torch.tensor(0.0))
+    compiled = torch.compile(f, backend="tpu")
+    with torch.no_grad():
+        for _ in range(3):
+            want = f(ref[0], ref[1][1:3], x, ref[2])
+            got = compiled(dev[0], dev[1][1:3], x.to(DEV), dev[2])
+            torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dev[0].cpu(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dev[1].cpu(), ref[1], atol=1e-5, rtol=1e-5)
+    assert dev[2].item() == ref[2].item() == 3
+
+
+def test_forward_outputs_that_alias_inputs_are_views_and_backward_stays_correct():
+    """The forward graph saves parameters, their transposes and detached activations for the
+    backward; the backend returns those as views (no copy). Gradients must still match CPU, also
+    when the parameters are updated in place between steps."""
+    torch.manual_seed(0)
+    cpu, dev = _pair(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.LayerNorm(8)))
+    compiled = torch.compile(dev, backend="tpu")
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        ref = cpu(x)
+        out = compiled(x.to(DEV))
+        torch.testing.assert_close(out.detach().cpu(), ref.detach(), atol=1e-5, rtol=1e-5)
+        ref.square().mean().backward()
+        out.square().mean().backward()
+        for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
+            torch.testing.assert_close(p_dev.grad.cpu(), p_ref.grad, atol=1e-4, rtol=1e-4)
+            with torch.no_grad():
+                p_ref.sub_(0.1 * p_ref.grad)
+                p_dev.sub_(0.1 * p_dev.grad)
+            p_ref.grad = None
+            p_dev.grad = None

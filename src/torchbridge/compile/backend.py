@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
@@ -32,13 +33,26 @@ compile_counter: Counter[str] = Counter()
 class GraphProgram:
     """A callable standing in for one FX graph; compiles once per input layout."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, name: str, mutated_inputs: frozenset[int] | None = frozenset()) -> None:
         self.gm = gm
         self.name = name
+        # inputs AOTAutograd's runtime mutates after the call (an output must not be a view of them);
+        # None when unknown: then no output is made a view of an input
+        self.mutated_inputs = mutated_inputs
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in self.nodes if n.op == "output")
         self.random = any(_is_random(n) for n in self.nodes)
+        # input mutations AOTAutograd kept in the graph: copy_(placeholder, value), applied by us
+        self._written: dict[int, torch.fx.Node] = {}
+        index = {n: i for i, n in enumerate(self.placeholders)}
+        for n in self.nodes:
+            if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+                dst, src = n.args[0], n.args[1]
+                if dst not in index:
+                    raise NotImplementedError(f"torchbridge.compile: {name} copies into a non-input ({dst})")
+                self._written[index[dst]] = src
+        self.writes = sorted(self._written)
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         self._constants = {
@@ -80,20 +94,45 @@ class GraphProgram:
         fn, out_meta = entry
         device = device or torch.device(STATE.name, STATE.current_device)
         rng = STATE.next_rng(device.index or 0) if self.random else None
-        flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        if self.writes:
+            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng)
+        else:
+            flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
         STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
-        results, it = [], iter(flat_out)
-        for m in out_meta:
+        results: list[Any] = [None] * len(out_meta)
+        it = iter(flat_out)
+        for i, m in enumerate(out_meta):
             if m is None:
-                results.append(None)
-            elif m[0] == "const":
-                results.append(m[1])
-            else:
+                continue
+            if m[0] == "const":
+                results[i] = m[1]
+            elif m[0] == "t":
                 _, shape, stride, dt = m
                 t = torch.empty_strided(shape, stride, dtype=dt, device=device)
                 STATE.table.set(t.untyped_storage().data_ptr(), next(it))
-                results.append(t)
+                results[i] = t
+        for i, m in enumerate(out_meta):  # outputs that alias an input or another output: views, no data
+            if m is not None and m[0] in ("arg", "alias"):
+                kind, j, shape, stride, rel = m
+                base = args[j] if kind == "arg" else results[j]
+                results[i] = _reinterpret(base, shape, stride, base.storage_offset() + rel)
         return results
+
+    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any) -> Any:
+        """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
+        mutations as trailing `copy_` nodes (the optimizer step writing parameters and state), so
+        the new values come out of this one executable and go straight into the buffer table,
+        instead of one eager `copy_` per tensor afterwards. (Donating the old buffers does not pay
+        on XLA:CPU: it copies a donated buffer whose update reads it through a reshape, and it
+        recomputes Adam's new moments inside the parameter update, so their old buffers must live.)"""
+        slot = _device_slots(args)
+        new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        for i, new in zip((i for i in self.writes if i in slot), new_dev, strict=True):
+            STATE.table.set(args[i].untyped_storage().data_ptr(), new)
+        for i, new in zip((i for i in self.writes if i not in slot), new_host, strict=True):
+            with torch.no_grad():
+                args[i].copy_(dtypes.numpy_to_host(np.array(new), args[i].dtype).view(args[i].shape))
+        return outs
 
     # -- trace -----------------------------------------------------------------------------------
     def _build(self, descs: list) -> tuple[Any, list]:
@@ -107,14 +146,21 @@ class GraphProgram:
                 out_meta.append(None if v.meta.get("val") is None else ("const", v.meta.get("val")))
             else:
                 out_meta.append(None if v is None else ("const", v))
+        _alias_outputs(out_vals, out_meta, self.placeholders, descs, self.mutated_inputs)
+
+        for i in self.writes:
+            if descs[i][0] == "c":
+                raise NotImplementedError(f"torchbridge.compile: {self.name} writes a non-tensor input")
 
         def program(bufs, hosts, consts, rng):
             env: dict[torch.fx.Node, Any] = {}
+            flats: dict[torch.fx.Node, Any] = {}  # the inputs' flat buffers, for writes into them
             bi, hi = 0, 0
             for node, d in zip(self.placeholders, descs, strict=True):
                 if d[0] == "d":
                     _, spec, jdt, _, _, nbytes = d
                     flat = views.bitcast_flat(bufs[bi], jdt, nbytes // jnp.dtype(jdt).itemsize)
+                    flats[node] = flat
                     env[node] = views.read(flat, spec)
                     bi += 1
                 elif d[0] == "h":
@@ -131,12 +177,23 @@ class GraphProgram:
                     env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i))
             outs = []
             for v, m in zip(out_vals, out_meta, strict=True):
-                if m is None or m[0] == "const":
+                if m is None or m[0] != "t":
                     continue
                 _, shape, stride, dt = m
                 x = jnp.broadcast_to(views.cast(env[v], dtypes.to_jax(dt)), shape)
                 outs.append(views.layout(x, views.ViewSpec(shape, stride, 0), views.storage_numel(shape, stride)))
-            return tuple(outs)
+            if not self.writes:
+                return tuple(outs)
+            new_dev, new_host = [], []
+            for i in self.writes:
+                node, d = self.placeholders[i], descs[i]
+                val = env[self._written[i]]
+                if d[0] == "d":
+                    _, spec, jdt, _, _, _ = d
+                    new_dev.append(views.write(flats[node], spec, jnp.broadcast_to(views.cast(val, jdt), spec.shape)))
+                else:
+                    new_host.append(views.cast(val, dtypes.to_jax(d[2])))
+            return tuple(new_dev), tuple(outs), tuple(new_host)
 
         return jax.jit(program), out_meta
 
@@ -146,6 +203,8 @@ class GraphProgram:
         kwargs = map_arg(node.kwargs, lambda n: env[n])
         if target is operator.getitem:
             return args[0][args[1]]
+        if target is torch.ops.aten.copy_.default:  # an input mutation: applied after the graph
+            return _cast_like(args[1], node.meta.get("val"))
         if not isinstance(target, torch._ops.OpOverload):
             raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target}")
         lowering = registry.find(target)
@@ -164,6 +223,81 @@ class GraphProgram:
         if lowering.mutates:
             res, _ = res
         return _cast_like(res, val)
+
+
+def _storage_key(val: Any) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - tensors without a storage cannot alias anything
+        return None
+
+
+def _extent(val: torch.Tensor) -> tuple[int, int]:
+    lo = val.storage_offset()
+    return lo, lo + views.storage_numel(tuple(val.shape), tuple(val.stride()))
+
+
+def _dense(val: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill [offset, offset + extent) exactly."""
+    dims = sorted((s, n) for n, s in zip(val.shape, val.stride(), strict=True) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return val.numel() > 0
+
+
+def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: list, mutated: frozenset[int] | None) -> None:
+    """Outputs that are views of an input or of another output (AOTAutograd's forward saves the
+    parameters themselves, `t(weight)`, `detach(x)`, `view(y)` for the backward) become views of
+    that tensor instead of copies: XLA would otherwise write every such output as a fresh buffer
+    (a transposed copy of each weight per step). Their FakeTensor values share a storage exactly
+    when the eager tensors would; a view is only taken of a base that is dense and covers it."""
+    bases: dict[Any, tuple[str, int, torch.Tensor]] = {}
+    for i, (node, d) in enumerate(zip(placeholders, descs, strict=True)):
+        val = node.meta.get("val")
+        if mutated is None or i in mutated:
+            continue
+        if d[0] == "d" and isinstance(val, torch.Tensor) and _dense(val):
+            key = _storage_key(val)
+            if key is not None:
+                bases.setdefault(key, ("arg", i, val))
+    # per storage, the widest dense materialised output becomes the base of the others
+    for i, (v, m) in enumerate(zip(out_vals, out_meta, strict=True)):
+        if m is None or m[0] != "t" or not _dense(v.meta["val"]):
+            continue
+        val = v.meta["val"]
+        key = _storage_key(val)
+        if key is None:
+            continue
+        cur = bases.get(key)
+        if cur is None or (cur[0] == "out" and val.numel() > cur[2].numel()):
+            bases[key] = ("out", i, val)
+    for i, (v, m) in enumerate(zip(out_vals, out_meta, strict=True)):
+        if m is None or m[0] != "t":
+            continue
+        val = v.meta["val"]
+        base = bases.get(_storage_key(val))
+        if base is None or (base[0] == "out" and base[1] == i) or base[2].dtype != val.dtype:
+            continue
+        (lo, hi), (blo, bhi) = _extent(val), _extent(base[2])
+        if val.numel() and blo <= lo and hi <= bhi:
+            kind = "arg" if base[0] == "arg" else "alias"
+            out_meta[i] = (kind, base[1], tuple(val.shape), tuple(val.stride()), lo - blo)
+
+
+def _reinterpret(base: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
+    """A view of `base`'s storage that autograd does not track (what inductor returns for aliases)."""
+    return torch._C._dynamo.guards._reinterpret_tensor(base, shape, stride, offset)
+
+
+def _device_slots(args: tuple) -> dict[int, int]:
+    """Argument index -> position among the device-tensor arguments (their buffers' order)."""
+    idx = (i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == STATE.name)
+    return {i: k for k, i in enumerate(idx)}
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -207,12 +341,24 @@ def _diff(old: Any, new: Any) -> str:
 _graph_ids = Counter()
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, forward: bool = False) -> Any:
     """An AOTAutograd fw/bw compiler: returns a boxed callable running the graph as one executable."""
     from functorch.compile import make_boxed_func
 
     _graph_ids["graph"] += 1
-    return make_boxed_func(GraphProgram(gm, f"graph{_graph_ids['graph']}"))
+    mutated: frozenset[int] | None = frozenset()
+    if forward:  # the runtime wrapper applies input mutations after a forward graph runs
+        mutated = None
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None)
+        n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        if meta is not None and len(meta.input_info) == n_inputs:
+            mutated = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
+    return make_boxed_func(GraphProgram(gm, f"graph{_graph_ids['graph']}", mutated))
+
+
+def compile_forward(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    return compile_graph(gm, example_inputs, forward=True)
 
 
 def _decompositions() -> dict:
@@ -249,7 +395,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """
     torch._dynamo.config.automatic_dynamic_shapes = False
     _log_recompile(gm, example_inputs)
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, decompositions=_decompositions())(
+    return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
+                        keep_inference_input_mutations=True)(
         gm, example_inputs
     )
 
