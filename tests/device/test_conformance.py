@@ -61,6 +61,16 @@ CASES: list[tuple[str, str]] = [
     ("nn.functional.elu", "f32"), ("nn.functional.leaky_relu", "bwd"), ("nn.functional.hardtanh", "f32"),
     ("nn.functional.softplus", "bwd"), ("nn.functional.mish", "f32"), ("nn.functional.hardswish", "f32"),
     ("nn.functional.linear", "f32"),
+    # special functions, distances, factorizations, segment reductions
+    ("special.bessel_j0", "f32"), ("special.bessel_j1", "i64"), ("special.bessel_y0", "f32"),
+    ("special.bessel_y1", "i64"), ("special.modified_bessel_k0", "f32"), ("special.modified_bessel_k1", "i64"),
+    ("special.scaled_modified_bessel_k0", "i64"), ("special.scaled_modified_bessel_k1", "f32"),
+    ("special.airy_ai", "f32"), ("special.airy_ai", "i64"),
+    ("cdist", "f32"), ("cdist", "bwd"), ("nn.functional.pdist", "f32"), ("nn.functional.pdist", "bwd"),
+    ("nonzero_static", "f32"), ("nonzero_static", "i64"), ("linalg.eig", "f32"), ("linalg.eigvals", "f32"),
+    ("geqrf", "f32"), ("ormqr", "f32"), ("ormqr", "bwd"), ("linalg.householder_product", "bwd"),
+    ("linalg.lstsq", "f32"), ("linalg.lstsq", "bwd"),
+    ("_segment_reduce.lengths", "f32"), ("_segment_reduce.offsets", "bwd"),
 ]
 
 _MAX_SAMPLES = 3  # a few samples per op keeps the run short; the full sweep uses more

@@ -3,14 +3,21 @@
 from torchbridge.device.lowerings import (
     core,  # noqa: F401
     creation,  # noqa: F401
+    distance,  # noqa: F401
     elementwise,  # noqa: F401
     extra,  # noqa: F401
     foreach,  # noqa: F401
+    householder,  # noqa: F401
     indexing,  # noqa: F401
     linalg,  # noqa: F401
+    linalg_eig,  # noqa: F401
+    linalg_lstsq,  # noqa: F401
     nn,  # noqa: F401
+    nonzero_static,  # noqa: F401
     prims,  # noqa: F401
     random,  # noqa: F401
     reduction,  # noqa: F401
+    segment_reduce,  # noqa: F401
+    special_functions,  # noqa: F401
     view_ops,  # noqa: F401
 )
