@@ -184,6 +184,41 @@ def test_kv_cache_writing_model_compiles_and_mutates_buffer():
     torch.testing.assert_close(dev.cache.cpu(), cpu.cache, atol=1e-6, rtol=1e-5)
 
 
+class _PoolWriter(nn.Module):
+    """A 2 MiB KV pool written a few rows per step through a view (as the engine writes its cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pool", torch.zeros(512, 8, 128))
+
+    def forward(self, rows, slots):
+        self.pool.view(-1, 128).index_copy_(0, slots, rows)
+        return self.pool.sum(dim=(1, 2))
+
+
+def test_large_cache_scatter_donates_its_buffer_and_matches_cpu():
+    from torchbridge.compile import metrics
+
+    cpu, dev = _pair(_PoolWriter())
+    compiled = torch.compile(dev, backend="tpu")
+    with torch.no_grad():
+        first = torch.randn(4, 128)
+        compiled(first.to(DEV), torch.arange(4).to(DEV))  # first call: compile
+        cpu(first, torch.arange(4))
+        before = metrics()["donated_calls"]
+        for step in range(3):
+            rows, slots = torch.randn(4, 128), torch.tensor([5, 900, 17 + step, 4000 - step])
+            torch.testing.assert_close(compiled(rows.to(DEV), slots.to(DEV)).cpu(), cpu(rows, slots))
+    assert metrics()["donated_calls"] == before + 3  # XLA updated the pool in place, not a 2 MiB copy
+    torch.testing.assert_close(dev.pool.cpu(), cpu.pool)
+    view = dev.pool[1:3]  # a view shares the storage: after a donated write it reads the new rows
+    with torch.no_grad():
+        compiled(torch.ones(4, 128).to(DEV), torch.arange(4).to(DEV))
+        cpu(torch.ones(4, 128), torch.arange(4))
+    torch.testing.assert_close(view.cpu(), cpu.pool[1:3])
+    torch.testing.assert_close(dev.pool.cpu(), cpu.pool)
+
+
 def test_inference_graph_writes_its_inputs_in_place_like_cpu():
     """Under no_grad AOTAutograd keeps input mutations in the graph (trailing copy_ nodes): the
     executable returns the new values and the backend swaps them into the inputs' storages,

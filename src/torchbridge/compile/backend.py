@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 from collections import Counter
 from typing import Any
 
@@ -53,6 +54,10 @@ class GraphProgram:
                     raise NotImplementedError(f"torchbridge.compile: {name} copies into a non-input ({dst})")
                 self._written[index[dst]] = src
         self.writes = sorted(self._written)
+        # writes that scatter a few rows into the input itself (a KV cache's index_copy_): donating the
+        # old buffer lets XLA update it in place instead of copying the whole pool every call
+        self.scatter_writes = frozenset(i for i, src in self._written.items()
+                                        if _scatters_into(src, self.placeholders[i]))
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         self._constants = {
@@ -65,6 +70,7 @@ class GraphProgram:
 
         STATE.table.drain()
         descs, bufs, hosts, device = [], [], [], None
+        buf = None
         for a in args:
             if isinstance(a, torch.Tensor) and a.device.type == STATE.name:
                 device = device or a.device
@@ -79,6 +85,7 @@ class GraphProgram:
                 hosts.append(jnp.asarray(dtypes.host_to_numpy(a)))
             else:
                 descs.append(("c", a))
+        buf = None  # a live local would count as a holder of the last buffer (donation checks refcounts)
         consts = []
         for t in self._constants.values():
             consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
@@ -95,7 +102,7 @@ class GraphProgram:
         device = device or torch.device(STATE.name, STATE.current_device)
         rng = STATE.next_rng(device.index or 0) if self.random else None
         if self.writes:
-            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng)
+            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0)
         else:
             flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
         STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
@@ -118,7 +125,21 @@ class GraphProgram:
                 results[i] = _reinterpret(base, shape, stride, base.storage_offset() + rel)
         return results
 
-    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any) -> Any:
+    def _donatable(self, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
+        """Buffer positions to donate: large storages this graph scatters into, held by nothing but
+        the table (and `bufs`), each passed once."""
+        picks = [slot[i] for i in self.scatter_writes if i in slot and bufs[slot[i]].nbytes >= _DONATE_BYTES]
+        if not picks:
+            return ()
+        last = STATE.last_results.get(dev)
+        if last is not None and any(_holds(last, bufs[k]) for k in picks):
+            STATE.last_results[dev] = None  # only a completion marker: this call's results replace it
+        last = None
+        ids = [id(b) for b in bufs]
+        # references: the table, `bufs`, getrefcount's argument
+        return tuple(sorted(k for k in picks if ids.count(id(bufs[k])) == 1 and sys.getrefcount(bufs[k]) <= 3))
+
+    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any, dev: int) -> Any:
         """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
         mutations as trailing `copy_` nodes (the optimizer step writing parameters and state), so
         the new values come out of this one executable and go straight into the buffer table,
@@ -126,7 +147,15 @@ class GraphProgram:
         on XLA:CPU: it copies a donated buffer whose update reads it through a reshape, and it
         recomputes Adam's new moments inside the parameter update, so their old buffers must live.)"""
         slot = _device_slots(args)
-        new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        donate = self._donatable(bufs, slot, dev)
+        if donate:
+            compile_counter["donated_calls"] += 1
+            donated = tuple(bufs[k] for k in donate)
+            others = tuple(b for k, b in enumerate(bufs) if k not in donate)
+            bufs.clear()
+            new_dev, outs, new_host = fn.donating(donate)(donated, others, tuple(hosts), tuple(consts), rng)
+        else:
+            new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
         for i, new in zip((i for i in self.writes if i in slot), new_dev, strict=True):
             STATE.table.set(args[i].untyped_storage().data_ptr(), new)
         for i, new in zip((i for i in self.writes if i not in slot), new_host, strict=True):
@@ -195,7 +224,7 @@ class GraphProgram:
                     new_host.append(views.cast(val, dtypes.to_jax(d[2])))
             return tuple(new_dev), tuple(outs), tuple(new_host)
 
-        return jax.jit(program), out_meta
+        return _Executable(program), out_meta
 
     def _run_node(self, node: torch.fx.Node, env: dict, key: Any) -> Any:
         target = node.target
@@ -292,6 +321,61 @@ def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: lis
 def _reinterpret(base: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
     """A view of `base`'s storage that autograd does not track (what inductor returns for aliases)."""
     return torch._C._dynamo.guards._reinterpret_tensor(base, shape, stride, offset)
+
+
+_DONATE_BYTES = 1 << 20
+_VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, torch.ops.aten.slice.Tensor,
+             torch.ops.aten.select.int, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+             torch.ops.aten.permute.default}
+_SCATTER_OPS = {torch.ops.aten.index_copy.default, torch.ops.aten.index_put.default, torch.ops.aten.scatter.src,
+                torch.ops.aten.scatter.value, torch.ops.aten.slice_scatter.default,
+                torch.ops.aten.select_scatter.default, torch.ops.aten.as_strided_scatter.default}
+
+
+def _through_views(node: Any) -> Any:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def _scatters_into(src: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
+    """The written value is a scatter-style op (index_copy, index_put, slice_scatter...) into a view
+    of the same input: only a few of its elements change."""
+    producer = _through_views(src)
+    return (isinstance(producer, torch.fx.Node) and producer.op == "call_function"
+            and producer.target in _SCATTER_OPS and _through_views(producer.args[0]) is placeholder)
+
+
+def _holds(results: Any, buf: Any) -> bool:
+    if isinstance(results, (tuple, list)):
+        return any(_holds(r, buf) for r in results)
+    return results is buf
+
+
+class _Executable:
+    """One graph's jitted program, plus variants that donate chosen input buffers."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.jitted = jax.jit(raw)
+        self._donating: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        return self.jitted(*args)
+
+    def donating(self, positions: tuple[int, ...]) -> Any:
+        fn = self._donating.get(positions)
+        if fn is None:
+            raw, chosen = self.raw, set(positions)
+
+            def split(donated, others, hosts, consts, rng):
+                di, oi = iter(donated), iter(others)
+                bufs = tuple(next(di) if k in chosen else next(oi) for k in range(len(donated) + len(others)))
+                return raw(bufs, hosts, consts, rng)
+
+            fn = self._donating[positions] = jax.jit(split, donate_argnums=(0,))
+        return fn
 
 
 def _device_slots(args: tuple) -> dict[int, int]:
@@ -409,8 +493,9 @@ def register(name: str) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    graphs = {k: v for k, v in compile_counter.items() if k != "recompiles"}
-    return {"graphs_compiled": sum(graphs.values()), "recompiles": compile_counter["recompiles"], "by_graph": graphs}
+    graphs = {k: v for k, v in compile_counter.items() if k not in ("recompiles", "donated_calls")}
+    return {"graphs_compiled": sum(graphs.values()), "recompiles": compile_counter["recompiles"],
+            "donated_calls": compile_counter["donated_calls"], "by_graph": graphs}
 
 
 def bucket(n: int, buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)) -> int:
