@@ -103,13 +103,12 @@ def _hankel_coeffs(nu: int) -> list[float]:
     return out
 
 
-def _asymp_j_y(x, nu: int):
-    """J_nu, Y_nu for large x > 0 (A&S 9.2.5-9.2.10)."""
-    coeffs = _hankel_coeffs(nu)
-    inv = 1.0 / x
-    p = jnp.zeros_like(x)
-    q = jnp.zeros_like(x)
-    power = jnp.ones_like(x)
+def _even_odd_series(coeffs, inv):
+    """P = c0 - c2 t^2 + c4 t^4 - ..., Q = c1 t - c3 t^3 + ... with t = inv: the two halves of a
+    Hankel-type asymptotic expansion."""
+    p = jnp.zeros_like(inv)
+    q = jnp.zeros_like(inv)
+    power = jnp.ones_like(inv)
     for k, c in enumerate(coeffs):
         sign = -1.0 if (k // 2) % 2 else 1.0
         if k % 2 == 0:
@@ -117,6 +116,14 @@ def _asymp_j_y(x, nu: int):
         else:
             q = q + sign * c * power
         power = power * inv
+    return p, q
+
+
+def _asymp_j_y(x, nu: int):
+    """J_nu, Y_nu for large x > 0 (A&S 9.2.5-9.2.10)."""
+    coeffs = _hankel_coeffs(nu)
+    inv = 1.0 / x
+    p, q = _even_odd_series(coeffs, inv)
     s, c = jnp.sin(x), jnp.cos(x)
     r = 1 / math.sqrt(2)
     if nu == 0:  # chi = x - pi/4
@@ -293,16 +300,7 @@ def _airy_neg(x):
     zeta = (2.0 / 3.0) * ax * jnp.sqrt(ax)
     u = _airy_u(20)
     inv = 1.0 / zeta
-    p = jnp.zeros_like(x)
-    q = jnp.zeros_like(x)
-    power = jnp.ones_like(x)
-    for k, c in enumerate(u):
-        sign = -1.0 if (k // 2) % 2 else 1.0
-        if k % 2 == 0:
-            p = p + sign * c * power
-        else:
-            q = q + sign * c * power
-        power = power * inv
+    p, q = _even_odd_series(u, inv)
     # sin(zeta + pi/4), cos(zeta + pi/4)
     s, c = jnp.sin(zeta), jnp.cos(zeta)
     r = 1 / math.sqrt(2)
