@@ -524,6 +524,7 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
     if (PyErr_Occurred()) throw pybind11::error_already_set();
     return object();
   }
+  object hold = reinterpret_borrow<object>(entry);  // the program call may run Python that clears the cache
   PyObject* dtypes = PyTuple_GET_ITEM(entry, kBufferDtypes);
   std::vector<object> keys;
   keys.reserve(ptrs.size());
