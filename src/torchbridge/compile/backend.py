@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
 from collections import Counter
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.node import map_arg
 
-from torchbridge.device import dtypes, views
+from torchbridge.device import donation, dtypes, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -128,16 +127,13 @@ class GraphProgram:
     def _donatable(self, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
         """Buffer positions to donate: large storages this graph scatters into, held by nothing but
         the table (and `bufs`), each passed once."""
-        picks = [slot[i] for i in self.scatter_writes if i in slot and bufs[slot[i]].nbytes >= _DONATE_BYTES]
+        picks = [slot[i] for i in self.scatter_writes
+                 if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES]
         if not picks:
             return ()
-        last = STATE.last_results.get(dev)
-        if last is not None and any(_holds(last, bufs[k]) for k in picks):
-            STATE.last_results[dev] = None  # only a completion marker: this call's results replace it
-        last = None
         ids = [id(b) for b in bufs]
-        # references: the table, `bufs`, getrefcount's argument
-        return tuple(sorted(k for k in picks if ids.count(id(bufs[k])) == 1 and sys.getrefcount(bufs[k]) <= 3))
+        once = [k for k in picks if ids.count(ids[k]) == 1]
+        return tuple(sorted(donation.sole_holders(bufs, once, dev)))
 
     def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any, dev: int) -> Any:
         """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
@@ -323,7 +319,6 @@ def _reinterpret(base: torch.Tensor, shape: tuple, stride: tuple, offset: int) -
     return torch._C._dynamo.guards._reinterpret_tensor(base, shape, stride, offset)
 
 
-_DONATE_BYTES = 1 << 20
 _VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
              torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, torch.ops.aten.slice.Tensor,
              torch.ops.aten.select.int, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
@@ -347,12 +342,6 @@ def _scatters_into(src: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
             and producer.target in _SCATTER_OPS and _through_views(producer.args[0]) is placeholder)
 
 
-def _holds(results: Any, buf: Any) -> bool:
-    if isinstance(results, (tuple, list)):
-        return any(_holds(r, buf) for r in results)
-    return results is buf
-
-
 class _Executable:
     """One graph's jitted program, plus variants that donate chosen input buffers."""
 
@@ -367,14 +356,7 @@ class _Executable:
     def donating(self, positions: tuple[int, ...]) -> Any:
         fn = self._donating.get(positions)
         if fn is None:
-            raw, chosen = self.raw, set(positions)
-
-            def split(donated, others, hosts, consts, rng):
-                di, oi = iter(donated), iter(others)
-                bufs = tuple(next(di) if k in chosen else next(oi) for k in range(len(donated) + len(others)))
-                return raw(bufs, hosts, consts, rng)
-
-            fn = self._donating[positions] = jax.jit(split, donate_argnums=(0,))
+            fn = self._donating[positions] = donation.donating_jit(self.raw, positions)
         return fn
 
 

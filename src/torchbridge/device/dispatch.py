@@ -11,7 +11,6 @@ Scalar values are program inputs, so a new scalar value never recompiles.
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from collections import Counter
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchbridge.device import dtypes, fused, native, storage, views
+from torchbridge.device import donation, dtypes, fused, native, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -225,47 +224,22 @@ class _Program:
         """Run the program. A large storage it writes whose buffer nothing else holds is donated, so
         XLA updates it in place: a KV-cache write into a 32 MB pool then costs the rows written, not a
         copy of the pool (the table keeps the only reference, and the old buffer is replaced anyway)."""
-        if self.writes and any(bufs[s].nbytes >= _DONATE_BYTES for s in self.writes):
-            last = STATE.last_results.get(dev_index)
-            if last is not None and any(_holds(last, bufs[s]) for s in self.writes):
-                STATE.last_results[dev_index] = None  # only a completion marker: newer results replace it
-            last = None
-            # references: the table, the `bufs` list, getrefcount's argument
-            if all(sys.getrefcount(bufs[s]) <= 3 for s in self.writes):
-                global donated_writes
-                donated_writes += 1
-                return self._donating_fn()(tuple(bufs[s] for s in self.writes),
-                                           tuple(b for i, b in enumerate(bufs) if i not in self.writes),
-                                           scalars, hosts, host_scalars, rng)
+        if self.writes and any(bufs[s].nbytes >= donation.DONATE_BYTES for s in self.writes) and len(
+                donation.sole_holders(bufs, self.writes, dev_index)) == len(self.writes):
+            global donated_writes
+            donated_writes += 1
+            if self._donating is None:
+                self._donating = donation.donating_jit(self.raw, tuple(self.writes))
+            return self._donating(tuple(bufs[s] for s in self.writes),
+                                  tuple(b for i, b in enumerate(bufs) if i not in self.writes),
+                                  scalars, hosts, host_scalars, rng)
         return self.fn(tuple(bufs), scalars, hosts, host_scalars, rng)
-
-    def _donating_fn(self) -> Any:
-        if self._donating is None:
-            writes, raw = self.writes, self.raw
-
-            def split(written, others, scalars, hosts, host_scalars, rng):
-                wi, oi, bufs = iter(written), iter(others), []
-                for i in range(len(written) + len(others)):
-                    bufs.append(next(wi) if i in writes else next(oi))
-                return raw(tuple(bufs), scalars, hosts, host_scalars, rng)
-
-            self._donating = jax.jit(split, donate_argnums=(0,))
-        return self._donating
 
     def out_avals(self, *args: Any) -> Any:
         """Output shapes/dtypes (for fused mode's placeholders); traced once per program."""
         if self._avals is None:
             self._avals = jax.eval_shape(self.raw, *args)
         return self._avals
-
-
-_DONATE_BYTES = 1 << 20
-
-
-def _holds(results: Any, buf: Any) -> bool:
-    if isinstance(results, (tuple, list)):
-        return any(_holds(r, buf) for r in results)
-    return results is buf
 
 
 _programs: dict[Any, _Program] = {}
