@@ -440,7 +440,6 @@ def _tensor_indices(enc: Any) -> list[int]:
 class _Fast(NamedTuple):
     program: _Program
     buffer_dtypes: list  # the flat buffers' dtypes the program was traced for
-    device: torch.device
     dev_index: int
     returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
     returns_none: bool
@@ -516,7 +515,7 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
                                                                                           strict=True))
     _CODES or _dtype_codes()
     outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
-    _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device, device.index or 0, returns,
+    _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
                           program.fn, tuple(program.writes), bool(program.random), program.out_struct)
     native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)

@@ -461,9 +461,9 @@ uint64_t g_hits = 0;               // calls served here (torchbridge.metrics()["
 std::unordered_map<PyObject*, std::pair<PyObject*, PyObject*>> g_ops;  // op -> (dynamic per position, dynamic kwargs)
 
 // dispatch._Fast's fields, in order; setup() checks them.
-enum Field { kProgram, kBufferDtypes, kDeviceField, kDevIndex, kReturns, kReturnsNone, kZeros, kOutputs, kSingle, kFn,
+enum Field { kProgram, kBufferDtypes, kDevIndex, kReturns, kReturnsNone, kZeros, kOutputs, kSingle, kFn,
              kWrites, kRandom, kOutStruct, kNumFields };
-const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "device",  "dev_index", "returns",
+const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "dev_index", "returns",
                                        "returns_none", "zeros", "outputs", "single", "fn", "writes",
                                        "random", "out_struct"};
 
