@@ -3,7 +3,8 @@
     python bench/bench_compile.py [--quick] [--write docs/benchmarks/compile.md]
 
 Measures forward latency at batch 1 and 8 (sequence 128) and one training step (forward, backward,
-AdamW) for each arm, in one run, and reports ratios. A second part measures cold start: the time to
+AdamW) for each arm, in one run, the arms taking turns within each iteration, and reports ratios.
+The `compiled-xla-dot` arm is `compiled` with TORCHBRIDGE_HOST_GEMM=0 (XLA's own dot). A second part measures cold start: the time to
 the first compiled forward in a fresh process, twice, with the persistent XLA cache (the second
 process finds the first one's executables on disk).
 """
@@ -45,50 +46,71 @@ def _sync(device: str) -> None:
         getattr(torch, torch.device(device).type).synchronize()
 
 
-def timeit(fn, device: str, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e3
+class Arm:
+    """One arm's model copy and its three workloads, each a callable that runs one iteration."""
 
-
-def arm(name: str, model: torch.nn.Module, device: str, compile_backend: str | None, mode: str, args) -> dict:
-    m = copy.deepcopy(model).to(device)
-    fwd_model = torch.compile(m, backend=compile_backend) if compile_backend else m
-    fused.set_mode(mode)
-    out: dict[str, float] = {}
-    try:
-        for batch in (1, 8):
-            ids = torch.randint(0, 8192, (batch, args.seq)).to(device)
-
-            def fwd(ids=ids):
-                with torch.no_grad():
-                    return fwd_model(input_ids=ids).logits
-
-            out[f"fwd_b{batch}_ms"] = timeit(fwd, device, args.warmup, args.iters)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        ids = torch.randint(0, 8192, (8, args.seq)).to(device)
+    def __init__(self, key: str, name: str, model: torch.nn.Module, device: str, compile_backend: str | None,
+                 mode: str, env: dict[str, str], seq: int) -> None:
+        self.key, self.name, self.device, self.mode, self.env = key, name, device, mode, env
+        m = copy.deepcopy(model).to(device)
+        self.fwd_model = torch.compile(m, backend=compile_backend) if compile_backend else m
+        self.inputs = {b: torch.randint(0, 8192, (b, seq)).to(device) for b in (1, 8)}
+        self.opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         # compiled arms compile the optimizer step too (its own graph: backward is a graph break)
-        opt_step = torch.compile(opt.step, backend=compile_backend) if compile_backend else opt.step
+        self.opt_step = torch.compile(self.opt.step, backend=compile_backend) if compile_backend else self.opt.step
+        self.work = {"fwd_b1_ms": lambda: self._fwd(1), "fwd_b8_ms": lambda: self._fwd(8),
+                     "train_step_ms": self._train}
 
-        def train_step():
-            opt.zero_grad()
-            loss = fwd_model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt_step()
+    def _fwd(self, batch: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.fwd_model(input_ids=self.inputs[batch]).logits
 
-        out["train_step_ms"] = timeit(train_step, device, args.warmup, args.iters)
-    finally:
-        fused.set_mode("eager")
-        torch._dynamo.reset()
-    print(f"{name:24s} " + "  ".join(f"{k}={v:9.1f}" for k, v in out.items()), flush=True)
-    return out
+    def _train(self) -> None:
+        self.opt.zero_grad()
+        ids = self.inputs[8]
+        self.fwd_model(input_ids=ids, labels=ids).loss.backward()
+        self.opt_step()
+
+    def run(self, metric: str) -> float:
+        """Seconds for one iteration, including waiting for the device."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        fused.set_mode(self.mode)
+        try:
+            t = time.perf_counter()
+            self.work[metric]()
+            _sync(self.device)
+            return time.perf_counter() - t
+        finally:
+            fused.set_mode("eager")
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def measure(arms: list[Arm], metrics: list[str], warmup: int, iters: int) -> dict[str, dict[str, float]]:
+    """Median ms per arm and metric. The arms take turns within each iteration, so a slow minute on a
+    shared machine lands on every arm alike instead of on whichever arm ran then."""
+    results: dict[str, dict[str, float]] = {a.key: {} for a in arms}
+    for metric in metrics:
+        live = []
+        for a in arms:
+            try:
+                for _ in range(warmup):
+                    a.run(metric)
+                live.append(a)
+            except Exception as e:  # noqa: BLE001 - report the arm as failed, keep measuring the others
+                print(f"{a.name} {metric}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        samples: dict[str, list[float]] = {a.key: [] for a in live}
+        for _ in range(iters):
+            for a in live:
+                samples[a.key].append(a.run(metric))
+        for a in live:
+            results[a.key][metric] = statistics.median(samples[a.key]) * 1e3
+        print(metric + "  " + "  ".join(f"{a.key}={results[a.key][metric]:.1f}" for a in live), flush=True)
+    return results
 
 
 _COLD = """
@@ -124,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled")
+    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-dot")
     ap.add_argument("--write", default=None)
     ap.add_argument("--torch-device", default="cpu", help="where the torch eager/inductor arms run (cpu, cuda)")
     args = ap.parse_args(argv)
@@ -132,21 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Llama with {n_params / 1e6:.1f}M parameters, sequence {args.seq}", flush=True)
     arms = {
-        "cpu": (f"torch {args.torch_device} eager", args.torch_device, None, "eager"),
-        "inductor": ("torch.compile inductor", args.torch_device, "inductor", "eager"),
-        "eager": ("bridge eager", DEV, None, "eager"),
-        "fused": ("bridge fused eager", DEV, None, "fused"),
-        "compiled": ("bridge compiled", DEV, "tpu", "eager"),
+        "cpu": (f"torch {args.torch_device} eager", args.torch_device, None, "eager", {}),
+        "inductor": ("torch.compile inductor", args.torch_device, "inductor", "eager", {}),
+        "eager": ("bridge eager", DEV, None, "eager", {}),
+        "fused": ("bridge fused eager", DEV, None, "fused", {}),
+        "compiled": ("bridge compiled", DEV, "tpu", "eager", {}),
+        # the same, with XLA's own dot instead of the CPU platform's host GEMM (device/host_calls.py)
+        "compiled-xla-dot": ("bridge compiled, XLA dot", DEV, "tpu", "eager", {"TORCHBRIDGE_HOST_GEMM": "0"}),
     }
-    results = {}
-    for key in args.arms.split(","):
-        name, device, backend, mode = arms[key]
-        try:
-            results[key] = arm(name, model, device, backend, mode, args)
-        except Exception as e:  # noqa: BLE001 - report the arm as failed, keep measuring the others
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-    cold = cold_start(args) if "compiled" in results else None
+    keys = args.arms.split(",")
+    built = [Arm(k, arms[k][0], model, *arms[k][1:], args.seq) for k in keys]
     metrics = ["fwd_b1_ms", "fwd_b8_ms", "train_step_ms"]
+    results = {k: v for k, v in measure(built, metrics, args.warmup, args.iters).items() if v}
+    cold = cold_start(args) if "compiled" in results else None
     lines = ["| arm | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
     for key, res in results.items():
         lines.append(f"| {arms[key][0]} | " + " | ".join(f"{res.get(m, float('nan')):.1f}" for m in metrics) + " |")
@@ -164,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"bridge on {getattr(torch, DEV).get_device_name()}, torch arms on {args.torch_device}"
         text = (f"# Compiled and fused modes on a {n_params / 1e6:.1f}M-parameter Llama ({where})\n\n"
                 f"Command: `python bench/bench_compile.py {' '.join(argv or sys.argv[1:])}`\n\n"
-                f"Milliseconds, median of {args.iters} after {args.warmup} warm-up runs; sequence {args.seq}.\n\n{table}\n")
+                f"Milliseconds, median of {args.iters} after {args.warmup} warm-up runs, the arms taking turns"
+                f" within each iteration; sequence {args.seq}.\n\n{table}\n")
         if cold:
             text += (f"\nCold start (time to the first compiled forward in a fresh process, persistent XLA cache):"
                      f" first process {cold[0]:.1f} s, second process {cold[1]:.1f} s ({cold[0] / cold[1]:.1f}x).\n")

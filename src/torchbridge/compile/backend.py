@@ -22,7 +22,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.node import map_arg
 
-from torchbridge.device import donation, dtypes, views
+from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -43,6 +43,7 @@ class GraphProgram:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in self.nodes if n.op == "output")
         self.random = any(_is_random(n) for n in self.nodes)
+        self.fenced = _broadcast_transcendentals(self.nodes)
         # input mutations AOTAutograd kept in the graph: copy_(placeholder, value), applied by us
         self._written: dict[int, torch.fx.Node] = {}
         index = {n: i for i, n in enumerate(self.placeholders)}
@@ -88,7 +89,7 @@ class GraphProgram:
         consts = []
         for t in self._constants.values():
             consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
-        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts))
+        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.enabled())
         entry = self._programs.get(key)
         if entry is None:
             if self._programs:
@@ -180,6 +181,8 @@ class GraphProgram:
         def program(bufs, hosts, consts, rng):
             env: dict[torch.fx.Node, Any] = {}
             flats: dict[torch.fx.Node, Any] = {}  # the inputs' flat buffers, for writes into them
+            # inputs that are transposed views (a saved t(weight)): their un-transposed reads, for the GEMM
+            untransposed: dict[torch.fx.Node, Any] = {}
             bi, hi = 0, 0
             for node, d in zip(self.placeholders, descs, strict=True):
                 if d[0] == "d":
@@ -187,6 +190,9 @@ class GraphProgram:
                     flat = views.bitcast_flat(bufs[bi], jdt, nbytes // jnp.dtype(jdt).itemsize)
                     flats[node] = flat
                     env[node] = views.read(flat, spec)
+                    base = views.swapped_last_two(spec)
+                    if base is not None:
+                        untransposed[node] = views.read(flat, base)
                     bi += 1
                 elif d[0] == "h":
                     env[node] = hosts[hi]
@@ -199,7 +205,10 @@ class GraphProgram:
                 if node.op == "get_attr":
                     env[node] = const_vals[node.target]
                 elif node.op == "call_function":
-                    env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i))
+                    env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i),
+                                               untransposed)
+                    if node in self.fenced:
+                        env[node] = host_calls.fence(env[node])
             outs = []
             for v, m in zip(out_vals, out_meta, strict=True):
                 if m is None or m[0] != "t":
@@ -222,9 +231,13 @@ class GraphProgram:
 
         return _Executable(program), out_meta
 
-    def _run_node(self, node: torch.fx.Node, env: dict, key: Any) -> Any:
+    def _run_node(self, node: torch.fx.Node, env: dict, key: Any, untransposed: dict) -> Any:
         target = node.target
         args = map_arg(node.args, lambda n: env[n])
+        gemm = host_calls.GEMM_OPERANDS.get(target._schema.name) if isinstance(target, torch._ops.OpOverload) else None
+        if gemm:  # a transposed operand goes to the GEMM as is, with a flag
+            args = tuple(_gemm_operand(a, env, untransposed) if i in gemm else v
+                         for i, (a, v) in enumerate(zip(node.args, args, strict=True)))
         kwargs = map_arg(node.kwargs, lambda n: env[n])
         if target is operator.getitem:
             return args[0][args[1]]
@@ -328,6 +341,75 @@ _SCATTER_OPS = {torch.ops.aten.index_copy.default, torch.ops.aten.index_put.defa
                 torch.ops.aten.select_scatter.default, torch.ops.aten.as_strided_scatter.default}
 
 
+def _gemm_operand(node: Any, env: dict, untransposed: dict) -> Any:
+    """A GEMM operand with its transposes folded into a flag: t(x) and t(t(x)) cost no copy, nor
+    does an input that is itself a transposed view (the t(weight) a forward saves for backward)."""
+    trans = False
+    while _swaps_last_two(node):
+        node, trans = node.args[0], not trans
+    if node in untransposed:
+        return untransposed[node] if trans else host_calls.Transposed(untransposed[node])
+    return host_calls.Transposed(env[node]) if trans else env[node]
+
+
+def _swaps_last_two(node: Any) -> bool:
+    """`node` is a transpose of its input's last two axes (t, transpose, permute)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.ndim < 2:
+        return False
+    nd = val.ndim
+    if node.target is torch.ops.aten.t.default:
+        return nd == 2
+    if node.target is torch.ops.aten.transpose.int:
+        return sorted(d % nd for d in node.args[1:3]) == [nd - 2, nd - 1]
+    if node.target is torch.ops.aten.permute.default:
+        return [d % nd for d in node.args[1]] == [*range(nd - 2), nd - 1, nd - 2]
+    return False
+
+
+_BROADCAST_VIEWS = _VIEW_OPS | {torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+                                torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+                                torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
+_TRANSCENDENTAL = {getattr(torch.ops.aten, n).default for n in (
+    "cos", "sin", "tan", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "sigmoid", "erf", "erfinv",
+    "rsqrt", "sqrt", "atan", "acos", "asin")} | {torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.pow.Tensor_Tensor}
+_ELEMENTWISE = _TRANSCENDENTAL | _BROADCAST_VIEWS | {
+    torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.add.Tensor, torch.ops.aten.neg.default,
+    torch.ops.aten.div.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.cat.default}
+
+
+def _numel(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _broadcast_transcendentals(nodes: list) -> frozenset:
+    """Values to compute into their own buffer (host_calls.fence): small tensors made with
+    transcendentals (a rotary embedding's cos/sin tables) that a consumer broadcasts to at least 4x
+    their size. Unfenced, XLA:CPU fuses cos/sin into each consumer and evaluates them once per
+    consumer element: 48x per layer for Llama's rotary at batch 8."""
+    costly: set = set()  # nodes whose elementwise producer cone holds a transcendental
+    for n in nodes:
+        if n.op == "call_function" and n.target in _ELEMENTWISE and (
+                n.target in _TRANSCENDENTAL or any(a in costly for a in n.all_input_nodes)):
+            costly.add(n)
+    picks = set()
+    for n in costly:
+        if n.target in _BROADCAST_VIEWS or not _numel(n):
+            continue
+        frontier = [u for u in n.users if u.op == "call_function"]
+        while frontier:  # through views to the ops that read the values
+            u = frontier.pop()
+            if u.target in _BROADCAST_VIEWS:
+                frontier.extend(v for v in u.users if v.op == "call_function")
+            elif _numel(u) >= 4 * _numel(n):
+                picks.add(n)
+                break
+    return frozenset(picks)
+
+
 def _through_views(node: Any) -> Any:
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
         node = node.args[0]
@@ -401,6 +483,8 @@ def _diff(old: Any, new: Any) -> str:
     if old is None:
         return "first call"
     changes = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[0], new[0], strict=False)) if a != b]
+    if old[2] != new[2]:
+        changes.append(f"TORCHBRIDGE_HOST_GEMM: {'on' if new[2] else 'off'}")
     return "; ".join(changes) or "constants changed"
 
 

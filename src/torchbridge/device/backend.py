@@ -22,9 +22,10 @@ def register(name: str = "tpu") -> None:
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
     _enable_persistent_cache()
-    from torchbridge.device import device_module, dispatch, native, ops
+    from torchbridge.device import device_module, dispatch, host_calls, native, ops
 
     mod = native.load()
+    host_calls.register(mod)
     STATE.name = name
     torch.utils.rename_privateuse1_backend(name)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchbridge.device import donation, dtypes, fused, native, storage, views
+from torchbridge.device import donation, dtypes, fused, host_calls, native, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
 
@@ -350,6 +350,7 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     out_shapes = [tuple(m.shape) for m in leaves]
     out_dtypes = [dtypes.to_jax(m.dtype) for m in leaves]
     write_slots = sorted({descs[i].slot for idx, _ in written for i in idx})
+    gemm_operands = host_calls.GEMM_OPERANDS.get(op._schema.name, ()) if host_calls.enabled() else ()
 
     def program(bufs, scalars, hosts, host_scalars, rng):
         bufs = list(bufs)
@@ -372,6 +373,11 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
                 values.append(hosts[host_i])
                 host_i += 1
         args = tuple(_decode(e, values, list(scalars)) for e in pos)
+        for i in gemm_operands:  # a transposed view goes to the GEMM un-transposed, with a flag
+            d = descs[pos[i][1]] if i < len(pos) and pos[i][0] == _T else None
+            base = views.swapped_last_two(d.spec) if isinstance(d, _DeviceArg) else None
+            if base is not None:
+                args = (*args[:i], host_calls.Transposed(views.read(storage_as(d.slot, d.dtype), base)), *args[i + 1:])
         kwargs = {k: _decode(e, values, list(scalars)) for k, e in kw if k not in info.out_args}
         key = None if rng is None else jax.random.fold_in(jax.random.key(rng[0]), rng[1])
         c = registry.TraceContext(out_shapes=out_shapes, out_dtypes=out_dtypes, rng=key)

@@ -7,14 +7,16 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / "native.cpp", Path(__file__).parent / "csrc" / "host_calls.cpp"]
 _module: ModuleType | None = None
 
 
 def _build_dir() -> Path:
+    import jax
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + jax.__version__.encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     root = Path(os.environ.get("TORCHBRIDGE_CACHE", Path.home() / ".cache" / "torchbridge"))
     path = root / f"native-{digest}"
     path.mkdir(parents=True, exist_ok=True)
@@ -29,11 +31,13 @@ def load() -> ModuleType:
     """The compiled extension; the first call in a fresh cache compiles it (~25 s on 2 cores)."""
     global _module
     if _module is None:
+        import jax
         from torch.utils.cpp_extension import load as cpp_load
 
         _module = cpp_load(
             name="torchbridge_native",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[jax.ffi.include_dir()],  # XLA's FFI headers, for the host GEMM
             build_directory=str(_build_dir()),
             extra_cflags=["-O2"],
             verbose=os.environ.get("TORCHBRIDGE_VERBOSE_BUILD") == "1",

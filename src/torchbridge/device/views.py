@@ -47,6 +47,16 @@ def _dense_permutation(shape: tuple[int, ...], strides: tuple[int, ...]) -> tupl
     return tuple(order) if is_contiguous(permuted_shape, permuted_strides) else None
 
 
+def swapped_last_two(spec: ViewSpec) -> ViewSpec | None:
+    """For a view whose last two axes are a transposed contiguous block (W.t(), k.transpose(-2, -1)),
+    the un-transposed view it was made from; None otherwise."""
+    shape, strides = spec.shape, spec.strides
+    if len(shape) < 2 or is_contiguous(shape, strides):
+        return None
+    base = ViewSpec((*shape[:-2], shape[-1], shape[-2]), (*strides[:-2], strides[-1], strides[-2]), spec.offset)
+    return base if is_contiguous(base.shape, base.strides) else None
+
+
 def _indices(spec: ViewSpec) -> jnp.ndarray:
     idx = jnp.full(spec.shape, spec.offset, dtype=jnp.int64)
     for d, (size, stride) in enumerate(zip(spec.shape, spec.strides, strict=True)):

@@ -665,7 +665,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", resize_);
 }
 
+void* torchbridge_host_gemm_handler();  // host_calls.cpp
+void* torchbridge_fence_handler();      // host_calls.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("host_gemm_capsule", []() { return pybind11::capsule(torchbridge_host_gemm_handler()); },
+        "the XLA FFI handler of the CPU platform's GEMM custom call");
+  m.def("fence_capsule", []() { return pybind11::capsule(torchbridge_fence_handler()); },
+        "the XLA FFI handler of the CPU platform's fusion fence (a copy)");
   m.def("install", &install, "set the allocator and hooks; safe to call again to change the device count");
   m.def("drain_events", &drain_events, "queued (kind, a, b, nbytes) storage events, oldest first");
   m.def("live_bytes", [](int d) { return g_live_bytes[d].load(); });

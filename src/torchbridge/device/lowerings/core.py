@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torchbridge.device import host_calls
 from torchbridge.device.lowerings.registry import ctx, lower
 
 
@@ -266,12 +267,12 @@ def bitwise_not(a):
 # ---- matmul ----
 @lower("mm", "bmm", "matmul")
 def mm(a, b):
-    return jnp.matmul(a, b, preferred_element_type=None)
+    return host_calls.matmul(a, b)
 
 
 @lower("addmm")
 def addmm(bias, a, b, beta=1, alpha=1):
-    prod = jnp.matmul(a, b)
+    prod = host_calls.matmul(a, b)
     if not (isinstance(alpha, int) and alpha == 1):
         prod = prod * alpha
     if isinstance(beta, int) and beta == 0:

@@ -1,0 +1,104 @@
+"""XLA custom calls for JAX's CPU platform: matrix products through PyTorch's CPU BLAS, and a fence.
+
+XLA:CPU's own dot (YNNPACK/Eigen) ran 1.2-1.4x slower than torch's GEMM on transformer-shaped
+products on our 2-core CPU, and those products are most of a model step. So when the bridge runs on
+JAX's CPU platform, mm/bmm/addmm lower to an XLA FFI custom call (csrc/host_calls.cpp) that calls
+`at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still compiles, fuses and schedules everything
+else; only the inner product changes hands. On any other platform (TPU, GPU) XLA's dot is used.
+
+`TORCHBRIDGE_HOST_GEMM=0` turns it off (XLA's dot everywhere), which is how the benchmark compares;
+it is read when a program is traced (compiled graphs also key their executables on it).
+
+`fence(x)` is x, computed into its own buffer: XLA:CPU drops optimization barriers before fusing, so
+a small costly value (a rotary cos/sin table) gets fused into every consumer and recomputed per
+consumer element; the fence (a copy XLA cannot see through) keeps it computed once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from torchbridge.device.state import STATE
+
+_TARGET = "torchbridge_host_gemm"
+_FENCE = "torchbridge_fence"
+# Below this many multiply-adds a product stays in XLA, where it can fuse with its neighbours.
+MIN_MACS = 64 * 64 * 64
+_registered = False
+# Positional operands of the ops whose lowering takes `Transposed` operands (schema name -> positions).
+GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2)}
+
+
+class Transposed(NamedTuple):
+    """An operand whose last two axes are swapped, handed over un-transposed (the GEMM transposes
+    for free; XLA would otherwise copy it into the row-major layout a custom call reads)."""
+
+    base: Any
+
+    def value(self) -> Any:
+        return jnp.swapaxes(self.base, -1, -2)
+
+
+def register(native_module: Any) -> None:
+    """Give XLA the handler; once per process, after the extension is loaded."""
+    global _registered
+    if not _registered:
+        jax.ffi.register_ffi_target(_TARGET, native_module.host_gemm_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_FENCE, native_module.fence_capsule(), platform="cpu")
+        _registered = True
+
+
+def enabled() -> bool:
+    """Whether products go to the host GEMM (CPU platform, not turned off)."""
+    return _registered and STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_HOST_GEMM", "1") != "0"
+
+
+def fence(x: Any) -> Any:
+    """`x` as its own buffer (on the CPU platform); elsewhere an optimization barrier."""
+    if _registered and STATE.platform == "cpu" and getattr(x, "size", 0):
+        return jax.ffi.ffi_call(_FENCE, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return jax.lax.optimization_barrier(x)
+
+
+def _unwrap(x: Any) -> tuple[Any, bool]:
+    return (x.base, True) if isinstance(x, Transposed) else (x, False)
+
+
+def value(x: Any) -> Any:
+    """The operand as a plain array."""
+    return x.value() if isinstance(x, Transposed) else x
+
+
+def _shapes(a: Any, ta: bool, b: Any, tb: bool) -> tuple[tuple, tuple]:
+    sa = tuple(a.shape[:-2]) + ((a.shape[-1], a.shape[-2]) if ta else tuple(a.shape[-2:]))
+    sb = tuple(b.shape[:-2]) + ((b.shape[-1], b.shape[-2]) if tb else tuple(b.shape[-2:]))
+    return sa, sb
+
+
+def _eligible(a: Any, b: Any, sa: tuple, sb: tuple) -> bool:
+    if a.ndim not in (2, 3) or b.ndim != a.ndim or a.dtype != b.dtype:
+        return False
+    if a.dtype not in (jnp.float32, jnp.float64):
+        return False
+    if sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        return False  # batch broadcasting and shape errors are XLA's (PyTorch's meta kernel already checked)
+    macs = sa[-2] * sa[-1] * sb[-1]
+    for d in sa[:-2]:
+        macs *= d
+    return macs >= MIN_MACS
+
+
+def matmul(a: Any, b: Any) -> Any:
+    """a @ b for mm/bmm/matmul lowerings; either operand may be a `Transposed`."""
+    a_arr, ta = _unwrap(a)
+    b_arr, tb = _unwrap(b)
+    if enabled() and hasattr(a_arr, "ndim") and hasattr(b_arr, "ndim"):
+        sa, sb = _shapes(a_arr, ta, b_arr, tb)
+        if _eligible(a_arr, b_arr, sa, sb):
+            out = jax.ShapeDtypeStruct(sa[:-1] + (sb[-1],), a_arr.dtype)
+            return jax.ffi.ffi_call(_TARGET, out)(a_arr, b_arr, trans_a=ta, trans_b=tb)
+    return jnp.matmul(value(a), value(b), preferred_element_type=None)
