@@ -71,6 +71,14 @@ CASES: list[tuple[str, str]] = [
     ("geqrf", "f32"), ("ormqr", "f32"), ("ormqr", "bwd"), ("linalg.householder_product", "bwd"),
     ("linalg.lstsq", "f32"), ("linalg.lstsq", "bwd"),
     ("_segment_reduce.lengths", "f32"), ("_segment_reduce.offsets", "bwd"),
+    # eval batch norm's saved stats, counting, embedding_bag, backward ops of losses/upsampling/sampling
+    ("native_batch_norm", "f32"), ("_native_batch_norm_legit", "bwd"),
+    ("bincount", "i64"), ("histogram", "f32"), ("histogramdd", "f32"),
+    ("nn.functional.embedding_bag", "f32"), ("nn.functional.embedding_bag", "bwd"),
+    ("nn.functional.interpolate.bicubic", "bwd"), ("nn.functional.multi_margin_loss", "bwd"),
+    ("nn.functional.multilabel_margin_loss", "bwd"), ("grid_sampler_2d", "bwd"), ("grid_sampler_3d", "bwd"),
+    ("linalg.lu_solve", "bwd"), ("nn.functional.pad.replicate_negative", "f32"),
+    ("nn.functional.pad.replicate_negative", "bwd"),
 ]
 
 _MAX_SAMPLES = 3  # a few samples per op keeps the run short; the full sweep uses more

@@ -458,9 +458,25 @@ def constant_pad_nd(self, pad, value=0):
     return lax.pad(self, _scalar(value, self.dtype), cfg)
 
 
+def _replicate(x, cfg):
+    """Edge padding that also takes negative pads (they crop), which jnp.pad rejects: output
+    position i reads input clip(i - before)."""
+    for d, (lo, hi) in enumerate(cfg):
+        if lo or hi:
+            n = x.shape[d]
+            x = jnp.take(x, jnp.clip(jnp.arange(n + lo + hi) - lo, 0, n - 1), axis=d)
+    return x
+
+
+def _padded(mode: str):
+    if mode == "edge":
+        return _replicate
+    return lambda x, cfg: jnp.pad(x, cfg, mode=mode)
+
+
 def _mode_pad(mode: str):
     def fn(self, padding):
-        return jnp.pad(self, _pad_config(self.ndim, padding), mode=mode)
+        return _padded(mode)(self, _pad_config(self.ndim, padding))
 
     return fn
 
@@ -468,7 +484,7 @@ def _mode_pad(mode: str):
 def _mode_pad_backward(mode: str):
     def fn(grad_output, self, padding):
         cfg = _pad_config(self.ndim, padding)
-        _, vjp = jax.vjp(lambda v: jnp.pad(v, cfg, mode=mode), jnp.zeros(self.shape, grad_output.dtype))
+        _, vjp = jax.vjp(lambda v: _padded(mode)(v, cfg), jnp.zeros(self.shape, grad_output.dtype))
         return vjp(grad_output)[0]
 
     return fn

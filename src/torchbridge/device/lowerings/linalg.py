@@ -124,7 +124,11 @@ def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
     upper_ = jnp.triu(lu)[..., :k, :]
     perm = lax.linalg.lu_pivots_to_permutation(pivots - 1, m)
     p = _mT(jnp.eye(m, dtype=lu.dtype)[perm])  # A = P L U
-    return p, lower_, upper_
+    # unpack_pivots=False / unpack_data=False (lu_solve's backward) ask for empty outputs there
+    outs, shapes = (p, lower_, upper_), ctx().out_shapes
+    if len(shapes) != len(outs):
+        return outs
+    return tuple(r if 0 not in s else jnp.zeros(s, r.dtype) for r, s in zip(outs, shapes, strict=True))
 
 
 @lower("linalg_lu")
