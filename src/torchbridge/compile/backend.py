@@ -82,7 +82,7 @@ class GraphProgram:
                 bufs.append(buf)
             elif isinstance(a, torch.Tensor):
                 descs.append(("h", tuple(a.shape), a.dtype))
-                hosts.append(jnp.asarray(dtypes.host_to_numpy(a)))
+                hosts.append(dtypes.host_to_numpy(a))  # jit moves numpy arguments in one batch
             else:
                 descs.append(("c", a))
         buf = None  # a live local would count as a holder of the last buffer (donation checks refcounts)

@@ -27,7 +27,7 @@ from torchbridge.device.state import STATE
 _TARGET = "torchbridge_host_gemm"
 _FENCE = "torchbridge_fence"
 # Below this many multiply-adds a product stays in XLA, where it can fuse with its neighbours.
-MIN_MACS = 64 * 64 * 64
+MIN_MACS = 32 * 32 * 32
 _registered = False
 # Positional operands of the ops whose lowering takes `Transposed` operands (schema name -> positions).
 GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2)}
