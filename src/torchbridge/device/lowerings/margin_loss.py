@@ -18,17 +18,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchbridge.device.lowerings.nn import _MEAN, _reduce
 from torchbridge.device.lowerings.registry import ctx, lower
 
-_NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _reduce(per_sample, reduction: int):
-    if reduction == _MEAN:
-        return jnp.mean(per_sample)
-    if reduction == _SUM:
-        return jnp.sum(per_sample)
-    return per_sample
+_NONE = 0
 
 
 def _grad_of(loss_fn, x, grad_output):
