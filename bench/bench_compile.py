@@ -4,7 +4,8 @@
 
 Measures forward latency at batch 1 and 8 (sequence 128) and one training step (forward, backward,
 AdamW) for each arm, in one run, the arms taking turns within each iteration, and reports ratios.
-The `compiled-xla-dot` arm is `compiled` with TORCHBRIDGE_HOST_GEMM=0 (XLA's own dot). A second part measures cold start: the time to
+The `compiled-xla-only` arm is `compiled` with TORCHBRIDGE_HOST_KERNELS=0 (XLA's own dot and
+attention written in JAX instead of PyTorch's CPU GEMM and flash attention as custom calls). A second part measures cold start: the time to
 the first compiled forward in a fresh process, twice, with the persistent XLA cache (the second
 process finds the first one's executables on disk).
 """
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-dot")
+    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-only")
     ap.add_argument("--write", default=None)
     ap.add_argument("--torch-device", default="cpu", help="where the torch eager/inductor arms run (cpu, cuda)")
     args = ap.parse_args(argv)
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "eager": ("bridge eager", DEV, None, "eager", {}),
         "fused": ("bridge fused eager", DEV, None, "fused", {}),
         "compiled": ("bridge compiled", DEV, "tpu", "eager", {}),
-        # the same, with XLA's own dot instead of the CPU platform's host GEMM (device/host_calls.py)
-        "compiled-xla-dot": ("bridge compiled, XLA dot", DEV, "tpu", "eager", {"TORCHBRIDGE_HOST_GEMM": "0"}),
+        # the same, XLA only: no PyTorch kernels as custom calls (device/host_calls.py)
+        "compiled-xla-only": ("bridge compiled, XLA only", DEV, "tpu", "eager", {"TORCHBRIDGE_HOST_KERNELS": "0"}),
     }
     keys = args.arms.split(",")
     built = [Arm(k, arms[k][0], model, *arms[k][1:], args.seq) for k in keys]

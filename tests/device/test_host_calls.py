@@ -71,7 +71,7 @@ def test_products_lower_to_the_custom_call_and_the_switch_turns_it_off(monkeypat
     # few rows (a decode step): XLA's dot
     assert "torchbridge_host_gemm" not in jax.jit(product).lower(a[:64], b).as_text()
     np.testing.assert_allclose(np.asarray(jax.jit(product)(a, b)), np.asarray(a) @ np.asarray(b).T, rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "0")
+    monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", "0")
     # read when a program is traced: a fresh trace (jit caches per function) uses XLA's dot
     assert "torchbridge_host_gemm" not in jax.jit(lambda x, y: product(x, y)).lower(a, b).as_text()
 
@@ -123,3 +123,57 @@ def test_fence_picks_small_transcendental_tables_broadcast_to_large_consumers() 
     # a transcendental whose consumers are no larger is left to XLA's fusion
     gm2 = make_fx(lambda x: torch.exp(x) * x + 1)(torch.randn(8, 8))
     assert not backend._broadcast_transcendentals(list(gm2.graph.nodes))
+
+
+def _attention(q, k, v, mask, causal, gqa):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("host_kernels", ["1", "0"])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "gqa"])
+def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kernels: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA in a compiled graph is the fused overrideable op (forward and backward), run by PyTorch's
+    CPU flash attention (host kernels) or by the JAX lowering; values and gradients match CPU."""
+    monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", host_kernels)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 40, 16, generator=g, requires_grad=True)
+    kv_heads = 2 if case == "gqa" else 6
+    k = torch.randn(2, kv_heads, 40, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, kv_heads, 40, 16, generator=g, requires_grad=True)
+    mask = None
+    if case == "bool-mask":
+        mask = torch.rand(2, 1, 40, 40, generator=g) > 0.3
+        mask[..., 0] = True  # no fully masked row
+    elif case == "float-mask":
+        mask = torch.randn(1, 6, 40, 40, generator=g)
+    causal, gqa = case == "causal", case == "gqa"
+    ref = _attention(q, k, v, mask, causal, gqa)
+    ref.square().sum().backward()
+    seen = []
+    compile_graph = backend.compile_graph
+
+    def spy(gm, example_inputs, forward=False):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compile_graph(gm, example_inputs, forward)
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    dq, dk, dv = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
+    out = torch.compile(_attention, backend=DEV)(dq, dk, dv, None if mask is None else mask.to(DEV), causal, gqa)
+    out.square().sum().backward()
+    torch._dynamo.reset()
+    assert "aten._scaled_dot_product_fused_attention_overrideable.default" in seen
+    assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in seen
+    assert "aten.bmm.default" not in seen
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for dev_t, cpu_t in zip((dq, dk, dv), (q, k, v), strict=True):
+        torch.testing.assert_close(dev_t.grad.cpu(), cpu_t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_eager_attention_keeps_the_math_path() -> None:
+    """Outside compiled graphs the device answers "math" (the fused op is only lowered for graphs)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    _close(F.scaled_dot_product_attention(q.to(DEV), k.to(DEV), v.to(DEV), is_causal=True),
+           F.scaled_dot_product_attention(q, k, v, is_causal=True))

@@ -484,7 +484,7 @@ def _diff(old: Any, new: Any) -> str:
         return "first call"
     changes = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[0], new[0], strict=False)) if a != b]
     if old[2] != new[2]:
-        changes.append(f"TORCHBRIDGE_HOST_GEMM: {'on' if new[2] else 'off'}")
+        changes.append(f"TORCHBRIDGE_HOST_KERNELS: {'on' if new[2] else 'off'}")
     return "; ".join(changes) or "constants changed"
 
 
@@ -545,10 +545,15 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """
     torch._dynamo.config.automatic_dynamic_shapes = False
     _log_recompile(gm, example_inputs)
-    return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
-                        keep_inference_input_mutations=True)(
-        gm, example_inputs
-    )
+    from torchbridge.device import native
+
+    # F.scaled_dot_product_attention becomes one fused op in the graphs (lowerings/attention.py)
+    previous = native.load().set_fused_sdpa(True)
+    try:
+        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+    finally:
+        native.load().set_fused_sdpa(previous)
 
 
 def register(name: str) -> None:

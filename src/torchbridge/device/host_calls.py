@@ -1,4 +1,5 @@
-"""XLA custom calls for JAX's CPU platform: matrix products through PyTorch's CPU BLAS, and a fence.
+"""XLA custom calls for JAX's CPU platform: PyTorch's CPU kernels for matrix products and fused
+attention inside XLA executables, and a fusion fence.
 
 XLA:CPU's own dot (YNNPACK/Eigen) ran 1.2-1.4x slower than torch's GEMM on transformer-shaped
 products on our 2-core CPU, and those products are most of a model step. So when the bridge runs on
@@ -6,8 +7,11 @@ JAX's CPU platform, mm/bmm/addmm lower to an XLA FFI custom call (csrc/host_call
 `at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still compiles, fuses and schedules everything
 else; only the inner product changes hands. On any other platform (TPU, GPU) XLA's dot is used.
 
-`TORCHBRIDGE_HOST_GEMM=0` turns it off (XLA's dot everywhere), which is how the benchmark compares;
-it is read when a program is traced (compiled graphs also key their executables on it).
+`attention`/`attention_backward` run PyTorch's CPU flash attention (the kernel CPU PyTorch and
+inductor use) for the fused SDPA op of compiled graphs (lowerings/attention.py).
+
+`TORCHBRIDGE_HOST_KERNELS=0` turns both off (XLA's dot and attention written in JAX), which is how the
+benchmark compares; it is read when a program is traced (compiled graphs key their executables on it).
 
 `fence(x)` is x, computed into its own buffer: XLA:CPU drops optimization barriers before fusing, so
 a small costly value (a rotary cos/sin table) gets fused into every consumer and recomputed per
@@ -26,6 +30,8 @@ from torchbridge.device.state import STATE
 
 _TARGET = "torchbridge_host_gemm"
 _FENCE = "torchbridge_fence"
+_ATTENTION = "torchbridge_attention"
+_ATTENTION_BACKWARD = "torchbridge_attention_backward"
 # Smaller products stay in XLA's dot: below MIN_MACS multiply-adds the custom call has nothing to
 # win, and with fewer than MIN_ROWS output rows (batch included: a decode step's few sequences) the
 # engine on this device ran 8-18% slower with the host GEMM, where XLA runs independent small dots
@@ -53,12 +59,14 @@ def register(native_module: Any) -> None:
     if not _registered:
         jax.ffi.register_ffi_target(_TARGET, native_module.host_gemm_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_FENCE, native_module.fence_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_ATTENTION, native_module.attention_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_ATTENTION_BACKWARD, native_module.attention_backward_capsule(), platform="cpu")
         _registered = True
 
 
 def enabled() -> bool:
-    """Whether products go to the host GEMM (CPU platform, not turned off)."""
-    return _registered and STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_HOST_GEMM", "1") != "0"
+    """Whether products and fused attention go to PyTorch's kernels (CPU platform, not turned off)."""
+    return _registered and STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_HOST_KERNELS", "1") != "0"
 
 
 def fence(x: Any) -> Any:
@@ -106,3 +114,22 @@ def matmul(a: Any, b: Any) -> Any:
             out = jax.ShapeDtypeStruct(sa[:-1] + (sb[-1],), a_arr.dtype)
             return jax.ffi.ffi_call(_TARGET, out)(a_arr, b_arr, trans_a=ta, trans_b=tb)
     return jnp.matmul(value(a), value(b), preferred_element_type=None)
+
+
+def attention(q: Any, k: Any, v: Any, bias: Any, is_causal: bool, scale: float) -> tuple[Any, Any]:
+    """PyTorch's CPU flash attention: (out, logsumexp). q [B,H,L,E], k/v [B,H,S,E] with equal heads,
+    bias None or an additive float [B,H,L,S]."""
+    b, h, length, _ = q.shape
+    mask = bias if bias is not None else jnp.zeros((1,), q.dtype)
+    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, length), q.dtype))
+    return jax.ffi.ffi_call(_ATTENTION, outs)(q, k, v, mask, is_causal=is_causal, has_mask=bias is not None,
+                                               scale=float(scale))
+
+
+def attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
+                       scale: float) -> tuple[Any, Any, Any]:
+    """Gradients (dq, dk, dv) of `attention`, from its saved output and logsumexp."""
+    mask = bias if bias is not None else jnp.zeros((1,), q.dtype)
+    outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return jax.ffi.ffi_call(_ATTENTION_BACKWARD, outs)(grad_out, q, k, v, out, lse, mask, is_causal=is_causal,
+                                                        has_mask=bias is not None, scale=float(scale))

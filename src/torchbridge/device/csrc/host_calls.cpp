@@ -11,6 +11,8 @@
 // un-transposed with trans_a/trans_b set, so a weight read as W.T costs no copy.
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cstring>
@@ -71,7 +73,76 @@ ffi::Error fence(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
   return ffi::Error::Success();
 }
 
+// Fused attention: PyTorch's CPU flash attention (what CPU PyTorch and inductor run) on XLA buffers.
+// q [B,H,L,E], k/v [B,H,S,E] (heads already equal), mask a float [B,H,L,S] additive bias when
+// has_mask (else a 1-element placeholder). Outputs out [B,H,L,E] and logsumexp [B,H,L].
+bool float_like(ffi::AnyBuffer b, at::ScalarType* st) { return to_scalar_type(b.element_type(), st); }
+
+ffi::Error attention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool is_causal, bool has_mask,
+                     double scale) {
+  at::ScalarType st;
+  if (!float_like(q, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  c10::InferenceMode guard;
+  std::optional<at::Tensor> m;
+  if (has_mask) m = wrap(mask.untyped_data(), mask.dimensions(), st);
+  auto res = at::_scaled_dot_product_flash_attention_for_cpu(
+      wrap(q.untyped_data(), q.dimensions(), st), wrap(k.untyped_data(), k.dimensions(), st),
+      wrap(v.untyped_data(), v.dimensions(), st), 0.0, is_causal, m, scale);
+  wrap(out->untyped_data(), out->dimensions(), st).copy_(std::get<0>(res));
+  wrap(lse->untyped_data(), lse->dimensions(), st).copy_(std::get<1>(res));
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_backward(ffi::AnyBuffer grad_out, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
+                              ffi::Result<ffi::AnyBuffer> gq, ffi::Result<ffi::AnyBuffer> gk,
+                              ffi::Result<ffi::AnyBuffer> gv, bool is_causal, bool has_mask, double scale) {
+  at::ScalarType st;
+  if (!float_like(q, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  c10::InferenceMode guard;
+  std::optional<at::Tensor> m;
+  if (has_mask) m = wrap(mask.untyped_data(), mask.dimensions(), st);
+  auto res = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      wrap(grad_out.untyped_data(), grad_out.dimensions(), st), wrap(q.untyped_data(), q.dimensions(), st),
+      wrap(k.untyped_data(), k.dimensions(), st), wrap(v.untyped_data(), v.dimensions(), st),
+      wrap(out.untyped_data(), out.dimensions(), st), wrap(lse.untyped_data(), lse.dimensions(), st), 0.0,
+      is_causal, m, scale);
+  wrap(gq->untyped_data(), gq->dimensions(), st).copy_(std::get<0>(res));
+  wrap(gk->untyped_data(), gk->dimensions(), st).copy_(std::get<1>(res));
+  wrap(gv->untyped_data(), gv->dimensions(), st).copy_(std::get<2>(res));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAttention, attention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("is_causal")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<double>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAttentionBackward, attention_backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("is_causal")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<double>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeHostGemm, host_gemm,
                               ffi::Ffi::Bind()
@@ -85,3 +156,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeFence, fence, ffi::Ffi::Bind().Arg<ffi:
 
 void* torchbridge_host_gemm_handler() { return reinterpret_cast<void*>(&TorchbridgeHostGemm); }
 void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeFence); }
+void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
+void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }

@@ -12,7 +12,9 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/SDPBackend.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -665,14 +667,46 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", resize_);
 }
 
+// ---- scaled_dot_product_attention's backend choice ------------------------------------------
+// PyTorch asks each device which SDPA kernel to use. While g_fused_sdpa is set (the compile backend
+// sets it around AOTAutograd's tracing) the answer is the PrivateUse1 "overrideable" fused op, which
+// the compile backend lowers as one attention (lowerings/attention.py); otherwise PyTorch's math
+// decomposition runs, as before.
+std::atomic<bool> g_fused_sdpa{false};
+
+namespace at::native {
+int64_t torchbridge_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& /*attn_mask*/, double dropout_p, bool /*is_causal*/,
+                               std::optional<double> /*scale*/, bool enable_gqa) {
+  const auto math = static_cast<int64_t>(at::SDPBackend::math);
+  if (!g_fused_sdpa.load() || dropout_p > 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return math;
+  if (q.scalar_type() != k.scalar_type() || q.scalar_type() != v.scalar_type() ||
+      (q.scalar_type() != at::kFloat && q.scalar_type() != at::kDouble)) {
+    return math;
+  }
+  if (k.size(1) != v.size(1) || q.size(3) != k.size(3) || k.size(2) != v.size(2)) return math;
+  if (q.size(1) != k.size(1) && !(enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0)) return math;
+  return static_cast<int64_t>(at::SDPBackend::overrideable);
+}
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &torchbridge_sdp_choice)
+}  // namespace at::native
+
 void* torchbridge_host_gemm_handler();  // host_calls.cpp
 void* torchbridge_fence_handler();      // host_calls.cpp
+void* torchbridge_attention_handler();  // host_calls.cpp
+void* torchbridge_attention_backward_handler();  // host_calls.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_gemm_capsule", []() { return pybind11::capsule(torchbridge_host_gemm_handler()); },
         "the XLA FFI handler of the CPU platform's GEMM custom call");
   m.def("fence_capsule", []() { return pybind11::capsule(torchbridge_fence_handler()); },
         "the XLA FFI handler of the CPU platform's fusion fence (a copy)");
+  m.def("set_fused_sdpa", [](bool on) { return g_fused_sdpa.exchange(on); },
+        "route scaled_dot_product_attention to the fused overrideable op (returns the previous setting)");
+  m.def("attention_capsule", []() { return pybind11::capsule(torchbridge_attention_handler()); },
+        "the XLA FFI handler of the CPU platform's fused attention");
+  m.def("attention_backward_capsule", []() { return pybind11::capsule(torchbridge_attention_backward_handler()); },
+        "the XLA FFI handler of the CPU platform's fused attention backward");
   m.def("install", &install, "set the allocator and hooks; safe to call again to change the device count");
   m.def("drain_events", &drain_events, "queued (kind, a, b, nbytes) storage events, oldest first");
   m.def("live_bytes", [](int d) { return g_live_bytes[d].load(); });

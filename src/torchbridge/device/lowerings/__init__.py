@@ -1,6 +1,7 @@
 """Importing this package fills the lowering table (see registry.py)."""
 
 from torchbridge.device.lowerings import (
+    attention,  # noqa: F401
     core,  # noqa: F401
     creation,  # noqa: F401
     distance,  # noqa: F401

@@ -1,0 +1,86 @@
+"""Fused scaled-dot-product attention: PyTorch's PrivateUse1 "overrideable" SDPA op and its backward.
+
+The compile backend routes `F.scaled_dot_product_attention` here (native.set_fused_sdpa, while
+AOTAutograd traces) instead of PyTorch's math decomposition (two batched products, a softmax, the
+mask and the head transposes as separate graph ops). On JAX's CPU platform it runs PyTorch's CPU
+flash attention as a custom call (host_calls.attention), the kernel inductor uses; elsewhere it is
+the same attention written in JAX, and its backward is jax.vjp of it. Grouped-query attention
+(fewer key/value heads) repeats each key/value head for its group and sums their gradients back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from torchbridge.device import host_calls
+from torchbridge.device.lowerings.registry import ctx, lower
+
+
+def _bias(bias, q, k):
+    """The mask as an additive float bias broadcast to [B,H,L,S], or None."""
+    if bias is None:
+        return None
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if bias.dtype == jnp.bool_:
+        bias = jnp.where(bias, jnp.zeros((), q.dtype), jnp.array(-jnp.inf, q.dtype))
+    return jnp.broadcast_to(bias.astype(q.dtype), shape)
+
+
+def _repeat_heads(x, heads: int):
+    return x if x.shape[1] == heads else jnp.repeat(x, heads // x.shape[1], axis=1)
+
+
+def _sum_groups(g, heads: int):
+    b, h, s, e = g.shape
+    return g if h == heads else g.reshape(b, heads, h // heads, s, e).sum(axis=2)
+
+
+def _math(q, k, v, bias, is_causal: bool, scale: float):
+    s = jnp.einsum("bhle,bhse->bhls", q, k) * scale
+    if is_causal:
+        length, keys = q.shape[2], k.shape[2]
+        s = jnp.where(jnp.tril(jnp.ones((length, keys), bool)), s, -jnp.inf)
+    if bias is not None:
+        s = s + bias
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    return jnp.einsum("bhls,bhse->bhle", p, v), lse
+
+
+def _scale(scale, q) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+@lower("_scaled_dot_product_fused_attention_overrideable")
+def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                    scale=None):
+    heads = query.shape[1]
+    k, v = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    bias, sc = _bias(attn_bias, query, k), _scale(scale, query)
+    if host_calls.enabled():
+        out, lse = host_calls.attention(query, k, v, bias, bool(is_causal), sc)
+    else:
+        out, lse = _math(query, k, v, bias, bool(is_causal), sc)
+    seed = jnp.zeros((), jnp.int64)  # no dropout: the philox state is unused
+    return out, lse, None, None, query.shape[2], k.shape[2], seed, seed, None
+
+
+@lower("_scaled_dot_product_fused_attention_overrideable_backward")
+def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
+                             cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    heads, kv_heads = query.shape[1], key.shape[1]
+    k, v = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    bias_shape = tuple(attn_bias.shape) if attn_bias is not None else (0,)
+    bias = _bias(attn_bias, query, k) if attn_bias is not None and attn_bias.size else None
+    sc = _scale(scale, query)
+    if host_calls.enabled():
+        gq, gk, gv = host_calls.attention_backward(grad_out, query, k, v, out, logsumexp.astype(query.dtype), bias,
+                                                   bool(is_causal), sc)
+    else:
+        _, vjp = jax.vjp(lambda q_, k_, v_: _math(q_, k_, v_, bias, bool(is_causal), sc)[0], query, k, v)
+        gq, gk, gv = vjp(grad_out)
+    gbias = jnp.zeros(ctx().out_shapes[3] if len(ctx().out_shapes) > 3 else bias_shape, query.dtype)
+    return gq, _sum_groups(gk, kv_heads), _sum_groups(gv, kv_heads), gbias
