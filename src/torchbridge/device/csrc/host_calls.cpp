@@ -38,6 +38,8 @@ at::Tensor wrap(void* data, ffi::AnyBuffer::Dimensions dims, at::ScalarType st) 
   return at::from_blob(data, sizes, at::TensorOptions().dtype(st));
 }
 
+at::Tensor wrap(ffi::AnyBuffer b, at::ScalarType st) { return wrap(b.untyped_data(), b.dimensions(), st); }
+
 ffi::Error host_gemm(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, bool trans_a,
                      bool trans_b) {
   at::ScalarType st;
@@ -51,9 +53,9 @@ ffi::Error host_gemm(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuf
   }
   // Runs on an XLA worker thread: no autograd, no Python, no device state.
   c10::InferenceMode guard;
-  at::Tensor ta = wrap(a.untyped_data(), a.dimensions(), st);
-  at::Tensor tb = wrap(b.untyped_data(), b.dimensions(), st);
-  at::Tensor to = wrap(out->untyped_data(), out->dimensions(), st);
+  at::Tensor ta = wrap(a, st);
+  at::Tensor tb = wrap(b, st);
+  at::Tensor to = wrap(*out, st);
   if (trans_a) ta = ta.transpose(-2, -1);
   if (trans_b) tb = tb.transpose(-2, -1);
   if (rank == 2) {
@@ -76,21 +78,20 @@ ffi::Error fence(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
 // Fused attention: PyTorch's CPU flash attention (what CPU PyTorch and inductor run) on XLA buffers.
 // q [B,H,L,E], k/v [B,H,S,E] (heads already equal), mask a float [B,H,L,S] additive bias when
 // has_mask (else a 1-element placeholder). Outputs out [B,H,L,E] and logsumexp [B,H,L].
-bool float_like(ffi::AnyBuffer b, at::ScalarType* st) { return to_scalar_type(b.element_type(), st); }
+std::optional<at::Tensor> optional_mask(ffi::AnyBuffer mask, bool has_mask, at::ScalarType st) {
+  return has_mask ? std::optional<at::Tensor>(wrap(mask, st)) : std::nullopt;
+}
 
 ffi::Error attention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool is_causal, bool has_mask,
                      double scale) {
   at::ScalarType st;
-  if (!float_like(q, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  if (!to_scalar_type(q.element_type(), &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
   c10::InferenceMode guard;
-  std::optional<at::Tensor> m;
-  if (has_mask) m = wrap(mask.untyped_data(), mask.dimensions(), st);
-  auto res = at::_scaled_dot_product_flash_attention_for_cpu(
-      wrap(q.untyped_data(), q.dimensions(), st), wrap(k.untyped_data(), k.dimensions(), st),
-      wrap(v.untyped_data(), v.dimensions(), st), 0.0, is_causal, m, scale);
-  wrap(out->untyped_data(), out->dimensions(), st).copy_(std::get<0>(res));
-  wrap(lse->untyped_data(), lse->dimensions(), st).copy_(std::get<1>(res));
+  auto res = at::_scaled_dot_product_flash_attention_for_cpu(wrap(q, st), wrap(k, st), wrap(v, st), 0.0, is_causal,
+                                                              optional_mask(mask, has_mask, st), scale);
+  wrap(*out, st).copy_(std::get<0>(res));
+  wrap(*lse, st).copy_(std::get<1>(res));
   return ffi::Error::Success();
 }
 
@@ -99,18 +100,14 @@ ffi::Error attention_backward(ffi::AnyBuffer grad_out, ffi::AnyBuffer q, ffi::An
                               ffi::Result<ffi::AnyBuffer> gq, ffi::Result<ffi::AnyBuffer> gk,
                               ffi::Result<ffi::AnyBuffer> gv, bool is_causal, bool has_mask, double scale) {
   at::ScalarType st;
-  if (!float_like(q, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  if (!to_scalar_type(q.element_type(), &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
   c10::InferenceMode guard;
-  std::optional<at::Tensor> m;
-  if (has_mask) m = wrap(mask.untyped_data(), mask.dimensions(), st);
   auto res = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      wrap(grad_out.untyped_data(), grad_out.dimensions(), st), wrap(q.untyped_data(), q.dimensions(), st),
-      wrap(k.untyped_data(), k.dimensions(), st), wrap(v.untyped_data(), v.dimensions(), st),
-      wrap(out.untyped_data(), out.dimensions(), st), wrap(lse.untyped_data(), lse.dimensions(), st), 0.0,
-      is_causal, m, scale);
-  wrap(gq->untyped_data(), gq->dimensions(), st).copy_(std::get<0>(res));
-  wrap(gk->untyped_data(), gk->dimensions(), st).copy_(std::get<1>(res));
-  wrap(gv->untyped_data(), gv->dimensions(), st).copy_(std::get<2>(res));
+      wrap(grad_out, st), wrap(q, st), wrap(k, st), wrap(v, st), wrap(out, st), wrap(lse, st), 0.0, is_causal,
+      optional_mask(mask, has_mask, st), scale);
+  wrap(*gq, st).copy_(std::get<0>(res));
+  wrap(*gk, st).copy_(std::get<1>(res));
+  wrap(*gv, st).copy_(std::get<2>(res));
   return ffi::Error::Success();
 }
 
