@@ -130,7 +130,7 @@ def _attention(q, k, v, mask, causal, gqa):
 
 
 @pytest.mark.parametrize("host_kernels", ["1", "0"])
-@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "gqa"])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "gqa", "fully-masked-row"])
 def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kernels: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """SDPA in a compiled graph is the fused overrideable op (forward and backward), run by PyTorch's
@@ -148,6 +148,9 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
         mask[..., 0] = True  # no fully masked row
     elif case == "float-mask":
         mask = torch.randn(1, 6, 40, 40, generator=g)
+    elif case == "fully-masked-row":  # PyTorch gives such a row 0 and no gradient, not NaN
+        mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
+        mask[:, :, 7] = False
     causal, gqa = case == "causal", case == "gqa"
     ref = _attention(q, k, v, mask, causal, gqa)
     ref.square().sum().backward()

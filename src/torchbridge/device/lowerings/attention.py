@@ -45,9 +45,13 @@ def _math(q, k, v, bias, is_causal: bool, scale: float):
         s = jnp.where(jnp.tril(jnp.ones((length, keys), bool)), s, -jnp.inf)
     if bias is not None:
         s = s + bias
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
-    return jnp.einsum("bhls,bhse->bhle", p, v), lse
+    # a fully masked row attends to nothing: output 0 and no gradient, as PyTorch's math path
+    # (_safe_softmax) and CPU flash attention give; its logsumexp is taken over zeros instead of -inf
+    # so that no NaN reaches the gradients through the untaken branch
+    empty = jnp.all(jnp.isneginf(s), axis=-1, keepdims=True)
+    lse = jax.nn.logsumexp(jnp.where(empty, 0.0, s), axis=-1)
+    p = jnp.where(empty, 0.0, jnp.exp(s - lse[..., None]))
+    return jnp.einsum("bhls,bhse->bhle", p, v), jnp.where(empty[..., 0], -jnp.inf, lse)
 
 
 def _scale(scale, q) -> float:
