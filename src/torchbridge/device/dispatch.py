@@ -519,7 +519,7 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     jdev = STATE.jax_device(device.index or 0)
     zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
                                                                                           strict=True))
-    _CODES or _dtype_codes()
+    _dtype_codes()  # fills _CODE_OF on first use
     outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),

@@ -64,14 +64,19 @@ def register(native_module: Any) -> None:
         _registered = True
 
 
+def _on_cpu() -> bool:
+    """The custom calls exist: handlers registered and the bridge on JAX's CPU platform."""
+    return _registered and STATE.platform == "cpu"
+
+
 def enabled() -> bool:
     """Whether products and fused attention go to PyTorch's kernels (CPU platform, not turned off)."""
-    return _registered and STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_HOST_KERNELS", "1") != "0"
+    return _on_cpu() and os.environ.get("TORCHBRIDGE_HOST_KERNELS", "1") != "0"
 
 
 def fence(x: Any) -> Any:
     """`x` as its own buffer (on the CPU platform); elsewhere an optimization barrier."""
-    if _registered and STATE.platform == "cpu" and getattr(x, "size", 0):
+    if _on_cpu() and getattr(x, "size", 0):
         return jax.ffi.ffi_call(_FENCE, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
     return jax.lax.optimization_barrier(x)
 
@@ -120,16 +125,20 @@ def attention(q: Any, k: Any, v: Any, bias: Any, is_causal: bool, scale: float) 
     """PyTorch's CPU flash attention: (out, logsumexp). q [B,H,L,E], k/v [B,H,S,E] with equal heads,
     bias None or an additive float [B,H,L,S]."""
     b, h, length, _ = q.shape
-    mask = bias if bias is not None else jnp.zeros((1,), q.dtype)
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, length), q.dtype))
-    return jax.ffi.ffi_call(_ATTENTION, outs)(q, k, v, mask, is_causal=is_causal, has_mask=bias is not None,
-                                               scale=float(scale))
+    return jax.ffi.ffi_call(_ATTENTION, outs)(q, k, v, _mask(bias, q.dtype), is_causal=is_causal,
+                                               has_mask=bias is not None, scale=float(scale))
 
 
 def attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
                        scale: float) -> tuple[Any, Any, Any]:
     """Gradients (dq, dk, dv) of `attention`, from its saved output and logsumexp."""
-    mask = bias if bias is not None else jnp.zeros((1,), q.dtype)
     outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return jax.ffi.ffi_call(_ATTENTION_BACKWARD, outs)(grad_out, q, k, v, out, lse, mask, is_causal=is_causal,
-                                                        has_mask=bias is not None, scale=float(scale))
+    return jax.ffi.ffi_call(_ATTENTION_BACKWARD, outs)(grad_out, q, k, v, out, lse, _mask(bias, q.dtype),
+                                                        is_causal=is_causal, has_mask=bias is not None,
+                                                        scale=float(scale))
+
+
+def _mask(bias: Any, dtype: Any) -> Any:
+    """The mask operand: the bias, or a 1-element placeholder the handler ignores (has_mask=False)."""
+    return bias if bias is not None else jnp.zeros((1,), dtype)
