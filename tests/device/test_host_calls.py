@@ -130,7 +130,8 @@ def _attention(q, k, v, mask, causal, gqa):
 
 
 @pytest.mark.parametrize("host_kernels", ["1", "0"])
-@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "gqa", "fully-masked-row"])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "learned-bias", "gqa",
+                                  "fully-masked-row"])
 def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kernels: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """SDPA in a compiled graph is the fused overrideable op (forward and backward), run by PyTorch's
@@ -148,6 +149,8 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
         mask[..., 0] = True  # no fully masked row
     elif case == "float-mask":
         mask = torch.randn(1, 6, 40, 40, generator=g)
+    elif case == "learned-bias":  # the mask needs a gradient too (the flash kernel has none for it)
+        mask = torch.randn(1, 6, 40, 40, generator=g, requires_grad=True)
     elif case == "fully-masked-row":  # PyTorch gives such a row 0 and no gradient, not NaN
         mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
         mask[:, :, 7] = False
@@ -163,7 +166,8 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
 
     monkeypatch.setattr(backend, "compile_graph", spy)
     dq, dk, dv = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
-    out = torch.compile(_attention, backend=DEV)(dq, dk, dv, None if mask is None else mask.to(DEV), causal, gqa)
+    dmask = None if mask is None else mask.detach().to(DEV).requires_grad_(mask.requires_grad)
+    out = torch.compile(_attention, backend=DEV)(dq, dk, dv, dmask, causal, gqa)
     out.square().sum().backward()
     torch._dynamo.reset()
     assert "aten._scaled_dot_product_fused_attention_overrideable.default" in seen
@@ -172,6 +176,8 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
     torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
     for dev_t, cpu_t in zip((dq, dk, dv), (q, k, v), strict=True):
         torch.testing.assert_close(dev_t.grad.cpu(), cpu_t.grad, rtol=1e-4, atol=1e-5)
+    if case == "learned-bias":
+        torch.testing.assert_close(dmask.grad.cpu(), mask.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_eager_attention_keeps_the_math_path() -> None:

@@ -77,14 +77,23 @@ def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     heads, kv_heads = query.shape[1], key.shape[1]
     k, v = _repeat_heads(key, heads), _repeat_heads(value, heads)
-    bias_shape = tuple(attn_bias.shape) if attn_bias is not None else (0,)
-    bias = _bias(attn_bias, query, k) if attn_bias is not None and attn_bias.size else None
-    sc = _scale(scale, query)
-    if host_calls.enabled():
-        gq, gk, gv = host_calls.attention_backward(grad_out, query, k, v, out, logsumexp.astype(query.dtype), bias,
-                                                   bool(is_causal), sc)
+    has_bias = attn_bias is not None and attn_bias.size > 0
+    sc, causal = _scale(scale, query), bool(is_causal)
+    out_shapes = ctx().out_shapes
+    # PyTorch's CPU flash backward has no bias gradient: when the mask itself needs one (a learned
+    # float bias), differentiate the JAX attention instead, with respect to the bias as given (its
+    # broadcast is inside the function, so the gradient comes back in the mask's own shape)
+    if has_bias and grad_input_mask[3]:
+        _, vjp = jax.vjp(lambda q_, k_, v_, b_: _math(q_, k_, v_, _bias(b_, q_, k_), causal, sc)[0],
+                         query, k, v, attn_bias)
+        gq, gk, gv, gbias = vjp(grad_out)
     else:
-        _, vjp = jax.vjp(lambda q_, k_, v_: _math(q_, k_, v_, bias, bool(is_causal), sc)[0], query, k, v)
-        gq, gk, gv = vjp(grad_out)
-    gbias = jnp.zeros(ctx().out_shapes[3] if len(ctx().out_shapes) > 3 else bias_shape, query.dtype)
+        bias = _bias(attn_bias, query, k) if has_bias else None
+        if host_calls.enabled():
+            gq, gk, gv = host_calls.attention_backward(grad_out, query, k, v, out, logsumexp.astype(query.dtype), bias,
+                                                       causal, sc)
+        else:
+            _, vjp = jax.vjp(lambda q_, k_, v_: _math(q_, k_, v_, bias, causal, sc)[0], query, k, v)
+            gq, gk, gv = vjp(grad_out)
+        gbias = jnp.zeros(out_shapes[3], query.dtype) if len(out_shapes) > 3 else None
     return gq, _sum_groups(gk, kv_heads), _sum_groups(gv, kv_heads), gbias
