@@ -33,25 +33,37 @@ from torchbridge.route.simulator import (  # noqa: E402
     ReplicaModel,
     SharedPrefixWorkload,
     Simulator,
+    dedicated_route,
     run_agentic,
     run_shared_prefix,
     summarize,
 )
 
 ARMS = ["round-robin", "random", "least-loaded", "prefix-aware", "sticky"]
+# Not a router: every session alone on a replica of its own (simulator.dedicated_route), the bound no
+# routing of the same sessions can beat (simulator only; it uses 4 replicas per concurrent session).
+DEDICATED = "dedicated"
+SIM_ARMS = [*ARMS, DEDICATED]
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
-# Measured with torchbridge.route.calibrate on one `torchbridge serve --device cpu` replica of the
-# bundled 4M-parameter Llama (2 shared CPU cores, 2026-11-29): 4,895 prompt tok/s; decode step
-# 5.6 ms + 1.9 ms per sequence; 4,096 KV blocks of 16 tokens; --max-num-seqs 64. The engine's
-# defaults add chunked prefill with --max-num-batched-tokens 1024 (serve/config.py).
-CALIBRATED = dict(prefill_tps=4895.0, decode_base_s=0.0056, decode_per_seq_s=0.0019, kv_blocks=4096,
-                  block_size=16, max_batch=64, max_batched_tokens=1024)
-# The measured 4,096 blocks are the engine's default sizing for a 1,024-position model: room for
-# max_num_seqs (64) full-length sequences, capped at --kv-cache-memory-gib 2. The agentic
-# workload's contexts reach ~32k tokens, so the engine must run with --max-model-len 32768, and
-# the same rule then gives min(64 x 32,768, 2 GiB / 4 KiB per token) = 524,288 tokens of KV
-# (this model in fp32: 2 x 4 layers x 2 KV heads x 64 dims x 4 bytes = 4 KiB per token).
+# Measured with torchbridge.route.calibrate (context_words 500 .. 5,500, i.e. prompts of 87 to 29,414
+# tokens) on one `torchbridge serve --device cpu --max-model-len 32768` replica of the bundled
+# 4M-parameter Llama with max_position_embeddings raised to 32,768 (same weights; timing does not
+# depend on what the weights say), OMP_NUM_THREADS=1, on a quiet machine (2026-11-30):
+# 8,275 prompt tok/s plus 5.4e-8 s per query-key pair of attention (a 29k-token prompt: 29.5 s, of
+# which 3.6 s is the per-token part); decode step 2.7 ms + 0.97 ms per sequence + 0.48 us per
+# context token (16.5 ms at batch 1 after a 29k-token prompt, 3.6 ms after 87 tokens);
+# 32,768 KV blocks of 16 tokens (the engine's default sizing at --max-model-len 32768: min(64 x
+# 32,768, 2 GiB / 4 KiB per token) = 524,288 tokens; this model in fp32 stores 2 x 4 layers x 2 KV
+# heads x 64 dims x 4 bytes = 4 KiB per token); --max-num-seqs 64 and --max-num-batched-tokens 1024
+# are the engine's defaults (serve/config.py). `--flat-attention` drops the two attention terms
+# (every token costs the same at any context: the replica model of the runs before 2026-11-30,
+# which had 4,895 tok/s and 5.6 ms + 1.9 ms per sequence, measured 2026-11-29 with prompts of up to
+# ~700 tokens at the model's own 1,024 positions).
+CALIBRATED = dict(prefill_tps=8275.0, decode_base_s=0.00266, decode_per_seq_s=0.00097, kv_blocks=32768,
+                  block_size=16, max_batch=64, max_batched_tokens=1024, prefill_attn_s=5.4e-8,
+                  decode_attn_s=4.83e-7)
+# The agentic workload's contexts reach ~32k tokens: the measured pool above.
 AGENTIC_KV_TOKENS = 524_288
 # Shared-prefix keeps the measured pool (4,096 x 16 = 65,536 tokens), as in its earlier runs. Its
 # 3,250-token sequences need --max-model-len 4096, for which the default sizing rule would give
@@ -66,15 +78,19 @@ def sim_model(sim_block: int, cal: dict[str, float], kv_tokens: int | None = Non
     return ReplicaModel(prefill_tps=cal["prefill_tps"], decode_base_s=cal["decode_base_s"],
                         decode_per_seq_s=cal["decode_per_seq_s"], kv_blocks=int(kv_tokens // sim_block),
                         block_size=sim_block, max_batch=int(cal["max_batch"]),
-                        max_batched_tokens=int(mbt) if mbt else None)
+                        max_batched_tokens=int(mbt) if mbt else None,
+                        prefill_attn_s=cal.get("prefill_attn_s", 0.0), decode_attn_s=cal.get("decode_attn_s", 0.0))
 
 
 def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: int, duration: float,
             warmup: float, sim_block: int, cal: dict[str, float], wl: AgenticWorkload | None = None,
             kv_tokens: int | None = None, scrape_interval_s: float = 1.0) -> dict[str, Any]:
-    picker = EndpointPicker(parse_config({"router": {"block_size": sim_block}}), seed=seed, capacity=n_replicas)
+    n_sim = 4 * concurrency if arm == DEDICATED else n_replicas
+    picker = EndpointPicker(parse_config({"router": {"block_size": sim_block}}), seed=seed, capacity=n_sim)
     model = sim_model(sim_block, cal, kv_tokens)
-    sim = Simulator(picker, {f"r{i}": model for i in range(n_replicas)}, arm, scrape_interval_s=scrape_interval_s)
+    sim = Simulator(picker, {f"r{i}": model for i in range(n_sim)}, arm, scrape_interval_s=scrape_interval_s)
+    if arm == DEDICATED:
+        sim.route = dedicated_route(sim)
     t0 = time.perf_counter()
     if workload == "agentic":
         res = run_agentic(sim, wl or AgenticWorkload(), concurrency, duration, warmup, seed)
@@ -109,7 +125,7 @@ def run_sim(args: argparse.Namespace, cal: dict[str, float]) -> list[dict[str, A
             kv, dur, warm = args.sp_kv_tokens, args.sp_duration, args.sp_warmup
         for c in levels:
             at_sat = c == sat
-            arms = [a for a in ARMS if a in (args.arms if at_sat else args.sweep_arms)]
+            arms = [a for a in SIM_ARMS if a in (args.arms if at_sat else args.sweep_arms)]
             for arm in arms:
                 seeds = range(args.first_seed, args.first_seed + args.seeds) if at_sat else [args.first_seed]
                 for seed in seeds:
@@ -265,7 +281,7 @@ def plots(rows: list[dict[str, Any]], prefix: str) -> list[str]:
         unit = "concurrent sessions" if workload == "agentic" else "concurrent clients"
         levels = sorted({r["concurrency"] for r in wrows})
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        for arm in ARMS:
+        for arm in SIM_ARMS:
             xs, tp, tt = [], [], []
             for c in levels:
                 sel = [r for r in wrows if r["arm"] == arm and r["concurrency"] == c]
@@ -287,7 +303,7 @@ def plots(rows: list[dict[str, Any]], prefix: str) -> list[str]:
         cdf_levels = [c for c in levels if len({r["arm"] for r in wrows if r["concurrency"] == c}) > 1] or levels
         fig, axs = plt.subplots(1, len(cdf_levels), figsize=(4 * len(cdf_levels), 3.6), squeeze=False)
         for ax1, c in zip(axs[0], cdf_levels, strict=True):
-            for arm in ARMS:
+            for arm in SIM_ARMS:
                 t = sorted(x for r in wrows if r["arm"] == arm and r["concurrency"] == c for x in r["ttfts"])
                 if t:
                     ax1.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=arm)
@@ -303,7 +319,7 @@ def plots(rows: list[dict[str, Any]], prefix: str) -> list[str]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     keys = sorted({(r.get("workload", "agentic"), r["concurrency"], r["arm"]) for r in rows if "arm" in r},
-                  key=lambda k: (k[0], k[1], ARMS.index(k[2])))
+                  key=lambda k: (k[0], k[1], SIM_ARMS.index(k[2])))
     lines = ["| workload | sessions | arm | seeds | TTFT mean (s) | P50 | P90 | TPOT (ms) | total tok/s | output tok/s | "
              "prefix hit | decision P50 (us) |", "|" + "---|" * 12]
     for w, c, arm in keys:
@@ -327,7 +343,7 @@ def versus_rr(rows: list[dict[str, Any]]) -> str:
             sel = [r[k] for r in rows if r.get("workload", "agentic") == w and r["concurrency"] == c
                    and r.get("arm") == arm]
             return statistics.fmean(sel) if sel else math.nan
-        for arm in ARMS[1:]:
+        for arm in SIM_ARMS[1:]:
             if math.isnan(m(arm, "ttft_mean")) or math.isnan(m("round-robin", "ttft_mean")):
                 continue
             lines.append(f"| {w} | {c} | {arm} | {100 * (m(arm, 'ttft_mean') / m('round-robin', 'ttft_mean') - 1):+.0f}% | "
@@ -343,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-per-replica", type=float, nargs="+", default=[],
                     help="agentic concurrency sweep, in sessions per replica (one seed, --sweep-arms)")
     ap.add_argument("--sweep-arms", nargs="+", default=ARMS)
-    ap.add_argument("--arms", nargs="+", default=ARMS, help="arms run at the saturation point")
+    ap.add_argument("--arms", nargs="+", default=ARMS,
+                    help=f"arms run at the saturation point; {DEDICATED!r} adds the bound (a replica per session)")
     ap.add_argument("--sat-per-replica", type=float, default=10,
                     help="round-robin's saturation point in sessions per replica: all arms, all seeds")
     ap.add_argument("--sp-per-replica", type=float, nargs="+", default=[],
@@ -370,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-latency-mean", type=float, default=AgenticWorkload.tool_latency_mean_s)
     ap.add_argument("--workloads", nargs="+", default=["agentic", "shared-prefix"])
     ap.add_argument("--calibrate", metavar="URL", help="measure a running replica instead of using CALIBRATED")
+    ap.add_argument("--calibrate-context-words", type=int, nargs="*", default=[],
+                    help="with --calibrate: also measure prompts of these many words to fit attention's cost")
+    ap.add_argument("--flat-attention", action="store_true",
+                    help="replica without attention's growth with context (the flat model of earlier runs)")
     ap.add_argument("--real", type=int, default=0, metavar="N", help="also bench N real engine replicas")
     ap.add_argument("--model", help="model dir for the real engines (default: the engine's bundled model)")
     ap.add_argument("--real-concurrency", type=int, nargs="+", default=[8, 24])
@@ -386,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from torchbridge.route.calibrate import calibrate
 
-        cal.update({k: v for k, v in asdict(calibrate(args.calibrate).model).items() if v is not None})
+        measured = calibrate(args.calibrate, context_words=tuple(args.calibrate_context_words)).model
+        cal.update({k: v for k, v in asdict(measured).items() if v is not None})
         print("calibrated:", cal)
+    if args.flat_attention:
+        cal.update(prefill_attn_s=0.0, decode_attn_s=0.0)
     results: dict[str, Any] = {"calibration": cal, "argv": sys.argv[1:]}
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.no_sim:

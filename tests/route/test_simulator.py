@@ -16,6 +16,7 @@ from torchbridge.route.simulator import (
     SharedPrefixWorkload,
     SimRequest,
     Simulator,
+    dedicated_route,
     run_agentic,
     run_shared_prefix,
     summarize,
@@ -248,3 +249,73 @@ def test_agentic_tool_latency_mean() -> None:
     rng = random.Random(0)
     xs = [rng.lognormvariate(wl.tool_latency_mu, wl.tool_latency_sigma) for _ in range(200000)]
     assert sum(xs) / len(xs) == pytest.approx(15.0, rel=0.02)
+
+
+def test_prefill_attention_cost_grows_with_position() -> None:
+    # 1e-5 s per query-key pair: 100 fresh prompt tokens see 1 + 2 + ... + 100 = 5,050 keys.
+    sim = one_replica(prefill_attn_s=1e-5)
+    a = req(1, list(range(100)), 1)
+    submit_at(sim, a)
+    sim.run()
+    assert a.ttft == pytest.approx(0.1 + 5050e-5)
+    # A cache hit of 96 tokens leaves 4 tokens at positions 96..99: 97 + 98 + 99 + 100 = 394 keys.
+    sim = one_replica(prefill_attn_s=1e-5)
+    shared = list(range(96))
+    a, b = req(1, shared + [7, 7, 7, 7], 1), req(2, shared + [9, 9, 9, 9], 1, t=1.0)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    assert b.cached_tokens == 96 and b.ttft == pytest.approx(0.004 + 394e-5)
+
+
+def test_chunked_prefill_charges_each_chunk_its_offset() -> None:
+    # Budget 100: a 250-token prompt runs as chunks of 100, 100, 50 at offsets 0, 100, 200.
+    # Pairs: 100*0 + 5050, 100*100 + 5050, 50*200 + 1275 -> 5050, 15050, 11275 (31,375 in all,
+    # the same as 250 * 251 / 2 in one piece).
+    sim = one_replica(prefill_attn_s=1e-6, max_batched_tokens=100)
+    a = req(1, list(range(250)), 1)
+    submit_at(sim, a)
+    sim.run()
+    assert a.ttft == pytest.approx(0.25 + 31375e-6)
+
+
+def test_decode_steps_grow_with_context() -> None:
+    # decode_attn_s 1e-4 per context token: after a 100-token prefill (0.1 s, first token) the
+    # decode steps see 101, 102, 103 keys: 0.01 + 0.0101, + 0.0102, + 0.0103.
+    sim = one_replica(decode_attn_s=1e-4)
+    a = req(1, list(range(100)), 4)
+    submit_at(sim, a)
+    sim.run()
+    assert a.finish == pytest.approx(0.1 + 0.03 + 0.0306)
+
+
+def test_arrival_mid_decode_waits_for_the_growing_step_boundary() -> None:
+    # a decodes alone in one epoch with steps 0.0201, 0.0202, 0.0203, ... (boundaries 0.1201, 0.1403,
+    # 0.1606). b arrives at 0.13 and is admitted at 0.1403, where a has 3 tokens; that step decodes a
+    # (context 103: 0.0203) and prefills b's 50 tokens (0.05): b's first token at 0.2106.
+    sim = one_replica(decode_attn_s=1e-4, max_batch=2)
+    a = req(1, list(range(100)), 10)
+    b = req(2, list(range(500, 550)), 1, t=0.13)
+    submit_at(sim, a)
+    submit_at(sim, b)
+    sim.run()
+    assert b.first_token == pytest.approx(0.1403 + 0.0203 + 0.05)
+    # a's remaining 6 steps: contexts 104 .. 109 -> 0.06 + 1e-4 * (104 + ... + 109) = 0.06 + 0.0639.
+    assert a.finish == pytest.approx(b.first_token + 0.06 + 0.0639)
+
+
+def test_dedicated_route_gives_each_session_its_own_replica() -> None:
+    m = ReplicaModel(prefill_tps=1000.0, decode_base_s=0.01, decode_per_seq_s=0.0, max_batch=8, kv_blocks=1000)
+    sim = Simulator(EndpointPicker(parse_config({}), seed=0), {f"r{i}": m for i in range(4)}, "round-robin")
+    sim.route = dedicated_route(sim)
+    turn1 = list(range(64))
+    a1 = SimRequest(1, block_hashes(turn1, 16), 64, 1, 0.0, session="a")
+    b1 = SimRequest(2, block_hashes(list(range(500, 564)), 16), 64, 1, 0.0, session="b")
+    a2 = SimRequest(3, block_hashes(turn1 + list(range(900, 916)), 16), 80, 1, 1.0, session="a")
+    for r in (a1, b1, a2):
+        submit_at(sim, r)
+    sim.run()
+    assert a1.replica == a2.replica != b1.replica
+    # a's second turn finds its first turn's 64 tokens on its replica: only 16 new tokens computed.
+    assert a2.cached_tokens == 64 and a2.ttft == pytest.approx(16 / 1000)
+    assert a1.ttft == b1.ttft == pytest.approx(0.064)  # side by side, not queued behind each other

@@ -5,10 +5,15 @@ Replica model (continuous batching like torchbridge.serve's scheduler and vLLM):
     (a decode is one token; a sequence still prefilling gets its next chunk), then admits waiting
     requests while the step's token budget (`max_batched_tokens`, None = unlimited, i.e. no
     chunked prefill), the batch (`max_batch`) and free KV blocks last;
-  * a step takes step_overhead_s + decode_step(decoding sequences) + prefill_tokens / prefill_tps,
-    where prefill_tokens counts only uncached prompt tokens: a request's prefill costs its
-    uncached tokens, and every decoding sequence on the replica waits for it (a long re-prefill
-    slows the whole batch, chunked or not);
+  * a step takes step_overhead_s + decode_step(decoding sequences, their context) +
+    prefill_time(prefill tokens, attention pairs), where prefill tokens counts only uncached prompt
+    tokens: a request's prefill costs its uncached tokens, and every decoding sequence on the replica
+    waits for it (a long re-prefill slows the whole batch, chunked or not);
+  * attention grows with context: a prompt token at position p attends to p + 1 keys, a decoding
+    sequence reads its whole context every step. `prefill_attn_s` (per query-key pair) and
+    `decode_attn_s` (per context token per step) charge for it; with both 0 every token costs the
+    same at any context length (the flat model of earlier runs). Within a pure-decode stretch each
+    step is longer than the last by decode_attn_s x batch (every context grew by one token);
   * KV memory is a block pool of `kv_blocks` blocks, as in the engine's block manager: blocks are
     reference counted, so a prefix cached once (the system prompt) is shared by every sequence that
     uses it; a request reserves the blocks for its prompt and its whole output at admission (the
@@ -52,9 +57,21 @@ class ReplicaModel:
     max_batch: int = 32
     step_overhead_s: float = 0.0       # fixed cost added to a step that prefills
     max_batched_tokens: int | None = None  # token budget per step (chunked prefill); None = unlimited
+    prefill_attn_s: float = 0.0        # per (prompt token, key it attends to) pair
+    decode_attn_s: float = 0.0         # per context token of each decoding sequence, per step
 
-    def decode_step(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch if batch else 0.0
+    def decode_step(self, batch: int, context: int = 0) -> float:
+        """One step decoding `batch` sequences whose contexts total `context` tokens."""
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_attn_s * context if batch else 0.0
+
+    def prefill_time(self, tokens: int, pairs: float = 0.0) -> float:
+        """Prefilling `tokens` prompt tokens whose queries see `pairs` keys in all."""
+        return tokens / self.prefill_tps + self.prefill_attn_s * pairs
+
+
+def attention_pairs(done: int, n: int) -> float:
+    """Query-key pairs of prompt positions done .. done + n - 1 (position p sees p + 1 keys)."""
+    return n * done + n * (n + 1) / 2
 
 
 @dataclass
@@ -168,7 +185,8 @@ class SimReplica:
         self.mode = "idle"           # idle | step | decode
         self.plan: list[tuple[SimRequest, int]] = []
         self.epoch_start = 0.0
-        self.step = 0.0
+        self.step = 0.0              # a pure-decode epoch's first step ...
+        self.growth = 0.0            # ... and how much longer each following step is
         self.version = 0
         self.next_event = math.inf
         self.prefill_tokens = 0      # uncached prompt tokens computed (a counter, for reports)
@@ -185,8 +203,8 @@ class SimReplica:
             self._schedule(now, self._boundary)
         elif self.mode == "decode" and len(self.running) < self.m.max_batch:
             # A pure-decode epoch is one event; stop it at the next step boundary to admit.
-            k = math.ceil((now - self.epoch_start) / self.step - 1e-9)
-            t = self.epoch_start + k * self.step
+            k = math.ceil(self._steps_in(now - self.epoch_start) - 1e-9)
+            t = self.epoch_start + self._epoch_time(k)
             if t < self.next_event - 1e-12:
                 self._schedule(t, self._boundary)
         self._publish()
@@ -197,10 +215,20 @@ class SimReplica:
         v = self.version
         self.sim.at(t, lambda: fn() if v == self.version else None)
 
+    def _epoch_time(self, k: int) -> float:
+        """Time the first k steps of the current pure-decode epoch take."""
+        return k * self.step + self.growth * k * (k - 1) / 2
+
+    def _steps_in(self, dt: float) -> float:
+        """The (real) number of epoch steps that fit in dt: the root of _epoch_time(k) = dt, in the
+        form without cancellation when growth is tiny (it is exactly dt / step when growth is 0)."""
+        b = self.step - self.growth / 2
+        return 2 * dt / (b + math.sqrt(b * b + 2 * self.growth * dt))
+
     def _boundary(self) -> None:
         now = self.sim.now
         if self.mode == "decode":
-            steps = int(round((now - self.epoch_start) / self.step))
+            steps = int(round(self._steps_in(now - self.epoch_start)))
             for r in self.running:
                 r.generated += steps
         elif self.mode == "step":
@@ -236,16 +264,19 @@ class SimReplica:
         m = self.m
         budget = m.max_batched_tokens if m.max_batched_tokens is not None else math.inf
         plan: list[tuple[SimRequest, int]] = []
-        n_decode = prefill = 0
+        n_decode = prefill = context = 0
+        pairs = 0.0
         for r in self.running:
             if budget <= 0:
                 break
             if r.prefill_left:
                 n = int(min(r.prefill_left, budget))
                 prefill += n
+                pairs += attention_pairs(r.n_prompt - r.prefill_left, n)
             else:
                 n = 1
                 n_decode += 1
+                context += r.n_prompt + r.generated
             plan.append((r, n))
             budget -= n
         pool = self.pool
@@ -262,6 +293,7 @@ class SimReplica:
             r.prefill_left = r.n_prompt - r.cached_tokens
             n = int(min(r.prefill_left, budget))
             prefill += n
+            pairs += attention_pairs(r.cached_tokens, n)
             budget -= n
             plan.append((r, n))
             self.running.append(r)
@@ -269,14 +301,15 @@ class SimReplica:
         if prefill:
             self.mode = "step"
             self.plan = plan
-            dt = m.step_overhead_s + m.decode_step(n_decode) + prefill / m.prefill_tps
+            dt = m.step_overhead_s + m.decode_step(n_decode, context) + m.prefill_time(prefill, pairs)
             self._schedule(self.sim.now + dt, self._boundary)
         elif self.running:
             self.mode = "decode"
             self.epoch_start = self.sim.now
-            self.step = m.decode_step(len(self.running))
+            self.step = m.decode_step(len(self.running), sum(r.n_prompt + r.generated for r in self.running))
+            self.growth = m.decode_attn_s * len(self.running)
             remaining = min(r.max_tokens - r.generated for r in self.running)
-            self._schedule(self.sim.now + remaining * self.step, self._boundary)
+            self._schedule(self.sim.now + self._epoch_time(remaining), self._boundary)
         else:
             self.mode = "idle"
             self.version += 1
@@ -299,9 +332,10 @@ class Simulator:
     """Event loop + pool. Drive it with `submit()` from workload callbacks, then `run(until)`."""
 
     def __init__(self, picker: EndpointPicker, models: dict[str, ReplicaModel], profile: str | None = None,
-                 scrape_interval_s: float = 0.0) -> None:
+                 scrape_interval_s: float = 0.0, route: Callable[[SimRequest], str] | None = None) -> None:
         self.picker = picker
         self.profile = profile
+        self.route = route  # replaces the picker (bounds and what-ifs); None = the real picker decides
         self.now = 0.0
         self._q: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
@@ -334,6 +368,10 @@ class Simulator:
         heapq.heappush(self._q, (t, self._seq, fn))
 
     def submit(self, req: SimRequest) -> None:
+        if self.route is not None:
+            req.replica = self.route(req)
+            self.replicas[req.replica].submit(req)
+            return
         ctx = self.picker.request_from_hashes(req.hashes, req.n_prompt, req.session)
         d = self.picker.pick(ctx, self.profile)
         self.picker.on_dispatch(d, req.session)
@@ -450,6 +488,24 @@ class _TokenSource:
         out = list(range(self.next, self.next + n))
         self.next += n
         return out
+
+
+def dedicated_route(sim: Simulator) -> Callable[[SimRequest], str]:
+    """The routing no policy can beat on a closed-loop session workload: every session gets a replica
+    of its own (the one idle longest when the session starts), so each turn finds its whole context
+    cached and shares no step with another session. With several replicas per concurrent session,
+    the replica handed to a new session is never one an active session still uses."""
+    idle: OrderedDict[str, None] = OrderedDict((name, None) for name in sim.replicas)
+    home: dict[str | None, str] = {}
+
+    def route(req: SimRequest) -> str:
+        name = home.get(req.session)
+        if name is None:
+            name = home[req.session] = next(iter(idle))
+        idle.move_to_end(name)
+        return name
+
+    return route
 
 
 def run_agentic(sim: Simulator, wl: AgenticWorkload, concurrency: int, duration_s: float,
