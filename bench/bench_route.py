@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -27,11 +28,13 @@ from typing import Any
 os.environ.setdefault("TORCHBRIDGE_NO_DEVICE", "1")
 
 from torchbridge.route.config import parse_config  # noqa: E402
+from torchbridge.route.index import block_hashes  # noqa: E402
 from torchbridge.route.picker import EndpointPicker  # noqa: E402
 from torchbridge.route.simulator import (  # noqa: E402
     AgenticWorkload,
     ReplicaModel,
     SharedPrefixWorkload,
+    SimRequest,
     Simulator,
     dedicated_route,
     run_agentic,
@@ -85,6 +88,8 @@ def sim_model(sim_block: int, cal: dict[str, float], kv_tokens: int | None = Non
 def sim_run(workload: str, arm: str, n_replicas: int, concurrency: int, seed: int, duration: float,
             warmup: float, sim_block: int, cal: dict[str, float], wl: AgenticWorkload | None = None,
             kv_tokens: int | None = None, scrape_interval_s: float = 1.0) -> dict[str, Any]:
+    if arm == DEDICATED and workload != "agentic":
+        raise ValueError(f"{DEDICATED!r} needs sessions: agentic workload only")
     n_sim = 4 * concurrency if arm == DEDICATED else n_replicas
     picker = EndpointPicker(parse_config({"router": {"block_size": sim_block}}), seed=seed, capacity=n_sim)
     model = sim_model(sim_block, cal, kv_tokens)
@@ -260,6 +265,96 @@ def run_real(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Replica-model check: the same multi-turn sessions on a real replica and on its simulated model
+
+
+def _check_sessions(k: int, turns: int, first: int, new: int, reply: int, seed: int) -> list[list[list[int]]]:
+    """Prompts (token ids) of k sessions x `turns` turns: each turn is the previous prompt, `reply`
+    ids standing in for the previous reply (the model's real reply is not echoed back, so only the
+    previous prompt can be a cache hit, on the replica and in the simulator alike), then `new` ids."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(k):
+        prompt = [rng.randrange(3, 4096) for _ in range(first)]
+        prompts = [prompt]
+        for _ in range(turns - 1):
+            prompt = prompt + [rng.randrange(3, 4096) for _ in range(reply + new)]
+            prompts.append(prompt)
+        out.append(prompts)
+    return out
+
+
+async def _check_real(url: str, sessions: list[list[list[int]]], reply: int) -> list[dict[str, float]]:
+    import httpx
+
+    rows: list[dict[str, float]] = []
+    t_start = time.monotonic()
+
+    async def session(i: int, prompts: list[list[int]], client: Any) -> None:
+        for turn, prompt in enumerate(prompts):
+            body = {"prompt": prompt, "max_tokens": reply, "stream": True, "temperature": 0.0, "ignore_eos": True}
+            t0 = time.monotonic()
+            first = None
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                        first = time.monotonic()
+            rows.append({"session": i, "turn": turn, "n_prompt": len(prompt), "ttft": first - t0,
+                         "e2e": time.monotonic() - t0, "end": time.monotonic() - t_start})
+
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await asyncio.gather(*(session(i, p, client) for i, p in enumerate(sessions)))
+    return rows
+
+
+def _check_sim(sessions: list[list[list[int]]], reply: int, cal: dict[str, float]) -> list[dict[str, float]]:
+    model = sim_model(16, cal)  # the engine's own block size
+    sim = Simulator(EndpointPicker(parse_config({"router": {"block_size": 16}}), seed=0), {"r0": model}, "round-robin")
+    rows: list[dict[str, float]] = []
+
+    def send(i: int, turn: int) -> None:
+        prompt = sessions[i][turn]
+
+        def done(r: Any) -> None:
+            rows.append({"session": i, "turn": turn, "n_prompt": len(prompt), "ttft": r.ttft,
+                         "e2e": r.finish - r.arrival, "end": r.finish})
+            if turn + 1 < len(sessions[i]):
+                send(i, turn + 1)
+
+        sim.submit(SimRequest(len(rows) + 1000 * i, block_hashes(prompt, 16), len(prompt), reply, sim.now,
+                              f"s{i}", on_done=done))
+
+    for i in range(len(sessions)):
+        sim.at(0.0, lambda i=i: send(i, 0))
+    sim.run()
+    return rows
+
+
+def check_replica(url: str, cal: dict[str, float], k: int, turns: int, seed: int | None = None) -> dict[str, Any]:
+    """k concurrent sessions of `turns` turns (3,000-token first prompt, +1,500 new and a 425-token
+    reply stand-in per turn, 425 output tokens, no think time) on the real replica at `url` and on
+    the simulated replica `cal`: per-turn TTFT and end-to-end latency side by side. The content is
+    new on every call (seed None), so nothing an earlier check left in the replica's cache helps."""
+    seed = secrets.randbits(31) if seed is None else seed
+    sessions = _check_sessions(k, turns, first=3000, new=1500, reply=425, seed=seed)
+    real = asyncio.run(_check_real(url, sessions, 425))
+    sim = _check_sim(sessions, 425, cal)
+    key = {(r["session"], r["turn"]): r for r in sim}
+    pairs = [(r, key[(r["session"], r["turn"])]) for r in real]
+    lines = ["| session | turn | prompt tokens | TTFT real (s) | TTFT sim (s) | E2E real (s) | E2E sim (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r, m in sorted(pairs, key=lambda p: (p[0]["session"], p[0]["turn"])):
+        lines.append(f"| {r['session']} | {r['turn']} | {r['n_prompt']:,} | {r['ttft']:.2f} | {m['ttft']:.2f} | "
+                     f"{r['e2e']:.2f} | {m['e2e']:.2f} |")
+    tot = {w: {m: sum(x[m] for x in rows) for m in ("ttft", "e2e")} | {"makespan": max(x["end"] for x in rows)}
+           for w, rows in (("real", real), ("sim", sim))}
+    lines.append(f"| all | | | {tot['real']['ttft']:.1f} | {tot['sim']['ttft']:.1f} | {tot['real']['e2e']:.1f} | "
+                 f"{tot['sim']['e2e']:.1f} |")
+    return {"sessions": k, "turns": turns, "seed": seed, "real": real, "sim": sim, "totals": tot, "table": "\n".join(lines)}
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -391,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --calibrate: also measure prompts of these many words to fit attention's cost")
     ap.add_argument("--flat-attention", action="store_true",
                     help="replica without attention's growth with context (the flat model of earlier runs)")
+    ap.add_argument("--check-replica", metavar="URL",
+                    help="run multi-turn sessions on the replica at URL and on its simulated model, side by side")
+    ap.add_argument("--check-sessions", type=int, nargs="+", default=[1, 4], help="concurrent sessions per check")
+    ap.add_argument("--check-turns", type=int, default=6)
     ap.add_argument("--real", type=int, default=0, metavar="N", help="also bench N real engine replicas")
     ap.add_argument("--model", help="model dir for the real engines (default: the engine's bundled model)")
     ap.add_argument("--real-concurrency", type=int, nargs="+", default=[8, 24])
@@ -407,13 +506,24 @@ def main(argv: list[str] | None = None) -> int:
 
         from torchbridge.route.calibrate import calibrate
 
-        measured = calibrate(args.calibrate, context_words=tuple(args.calibrate_context_words)).model
+        measured = calibrate(args.calibrate, max_batch=int(cal["max_batch"]),
+                             context_words=tuple(args.calibrate_context_words)).model
         cal.update({k: v for k, v in asdict(measured).items() if v is not None})
         print("calibrated:", cal)
+        if args.no_sim and not args.real and not args.check_replica:
+            return 0
     if args.flat_attention:
         cal.update(prefill_attn_s=0.0, decode_attn_s=0.0)
     results: dict[str, Any] = {"calibration": cal, "argv": sys.argv[1:]}
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.check_replica:
+        results["check"] = [check_replica(args.check_replica, cal, k, args.check_turns) for k in args.check_sessions]
+        for c in results["check"]:
+            print(f"{c['sessions']} concurrent sessions x {c['turns']} turns:\n{c['table']}")
+        path = OUT / f"route-check-replica{args.tag}.json"
+        path.write_text(json.dumps(results, indent=1))
+        print(f"wrote {path}")
+        return 0
     if not args.no_sim:
         results["sim"] = run_sim(args, cal)
         print(table(results["sim"]))
