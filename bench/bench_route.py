@@ -55,7 +55,7 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 # depend on what the weights say), OMP_NUM_THREADS=1, on a quiet machine (2026-11-30):
 # 8,275 prompt tok/s plus 5.4e-8 s per query-key pair of attention (a 29k-token prompt: 29.5 s, of
 # which 3.6 s is the per-token part); decode step 2.7 ms + 0.97 ms per sequence + 0.48 us per
-# context token (16.5 ms at batch 1 after a 29k-token prompt, 3.6 ms after 87 tokens);
+# context token (17.8 ms at batch 1 after a 29k-token prompt, 3.6 ms after 87 tokens);
 # 32,768 KV blocks of 16 tokens (the engine's default sizing at --max-model-len 32768: min(64 x
 # 32,768, 2 GiB / 4 KiB per token) = 524,288 tokens; this model in fp32 stores 2 x 4 layers x 2 KV
 # heads x 64 dims x 4 bytes = 4 KiB per token); --max-num-seqs 64 and --max-num-batched-tokens 1024
