@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,8 @@ def test_route_cli_rejects_bad_config(tmp_path: Path) -> None:
     assert out.returncode == 2 and "router.block_size: must be >= 1" in out.stderr
 
 
-def test_up_starts_replicas_and_router_and_cleans_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_up_starts_replicas_and_router_and_cleans_up(tmp_path: Path, sig: int) -> None:
     port = free_port()
     env = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1", "TORCHBRIDGE_UP_LOGS": str(tmp_path)}
     proc = subprocess.Popen(
@@ -114,9 +116,10 @@ def test_up_starts_replicas_and_router_and_cleans_up(tmp_path: Path) -> None:
         assert served == {"r0", "r1"}
         engine_ports = [int(line.split()[2].rsplit(":", 1)[1]) for line in lines if line.startswith("engine")]
     finally:
-        proc.send_signal(2)  # Ctrl-C
+        proc.send_signal(sig)
         rc = proc.wait(timeout=30)
     assert rc == 0
+    assert "shutting down" in proc.stdout.read()
     for p in [port, *engine_ports]:  # everything it started is gone
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{p}/health", timeout=2)

@@ -60,9 +60,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+class _StopFlag:
+    """SIGINT and SIGTERM set a flag that `up`'s loops poll, instead of raising KeyboardInterrupt
+    wherever the main thread happens to be: raised inside Popen.poll(), between its waitpid lock's
+    acquire and the try block that releases it, the lock stays held and the shutdown's wait() then
+    blocks forever (seen once in CI as `up` ignoring Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.set = True
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float, stop: _StopFlag | None = None) -> bool:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (stop and stop.set):
         if proc.poll() is not None:
             return False
         with contextlib.suppress(httpx.HTTPError):
@@ -107,56 +130,70 @@ def up(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, int, str]] = []
     log_dir = Path(os.environ.get("TORCHBRIDGE_UP_LOGS", "/tmp/torchbridge-up"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        urls = []
-        for i in range(args.replicas):
-            port = free_port(args.host)
-            if args.engine_cmd:
-                cmd = [a.replace("{port}", str(port)) for a in args.engine_cmd.split()]
-            else:
-                cmd = [sys.executable, "-m", "torchbridge", "serve", "--device", args.device, "--host", args.host,
-                       "--port", str(port), *(["--model", args.model] if args.model else []), *args.engine_arg]
-            logf = open(log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 - lives as long as the child
-            procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT))
-            urls.append(f"http://{args.host}:{port}")
-            rows.append((f"engine r{i}", urls[-1], procs[-1].pid, "starting"))
-        print(f"starting {args.replicas} engine replica(s); logs in {log_dir}", flush=True)
-        for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
-            ok = _wait_healthy(url, proc, args.timeout)
-            rows[i] = (rows[i][0], url, proc.pid, "healthy" if ok else f"FAILED (see {log_dir}/engine-{i}.log)")
-            if not ok:
-                _table(rows)
-                return 1
-        rcmd = [sys.executable, "-m", "torchbridge", "route", "--host", args.host, "--port", str(args.router_port)]
-        for url in urls:
-            rcmd += ["--replica", url]
-        for flag, val in (("--config", args.config), ("--model", args.model), ("--profile", args.profile)):
-            if val:
-                rcmd += [flag, val]
-        rlog = open(log_dir / "router.log", "wb")  # noqa: SIM115
-        # The router never uses the device backend; skipping it saves importing torch and jax.
-        renv = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1"}
-        procs.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT, env=renv))
-        rurl = f"http://{args.host}:{args.router_port}"
-        ok = _wait_healthy(rurl, procs[-1], 60.0)
-        rows.append(("router", rurl, procs[-1].pid, "healthy" if ok else f"FAILED (see {log_dir}/router.log)"))
-        _table(rows)
+    with _StopFlag() as stop:
+        try:
+            return _up(args, procs, rows, log_dir, stop)
+        finally:
+            _stop(procs)
+
+
+def _up(args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], rows: list[tuple[str, str, int, str]],
+        log_dir: Path, stop: _StopFlag) -> int:
+    urls = []
+    for i in range(args.replicas):
+        port = free_port(args.host)
+        if args.engine_cmd:
+            cmd = [a.replace("{port}", str(port)) for a in args.engine_cmd.split()]
+        else:
+            cmd = [sys.executable, "-m", "torchbridge", "serve", "--device", args.device, "--host", args.host,
+                   "--port", str(port), *(["--model", args.model] if args.model else []), *args.engine_arg]
+        logf = open(log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT))
+        urls.append(f"http://{args.host}:{port}")
+        rows.append((f"engine r{i}", urls[-1], procs[-1].pid, "starting"))
+    print(f"starting {args.replicas} engine replica(s); logs in {log_dir}", flush=True)
+    for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
+        ok = _wait_healthy(url, proc, args.timeout, stop)
+        if stop.set:
+            return _shutting_down()
+        rows[i] = (rows[i][0], url, proc.pid, "healthy" if ok else f"FAILED (see {log_dir}/engine-{i}.log)")
         if not ok:
+            _table(rows)
             return 1
-        print(f"\nOpenAI endpoint: {rurl}/v1   metrics: {rurl}/metrics   replicas: {rurl}/admin/replicas\n"
-              "Ctrl-C stops everything.", flush=True)
-        if args.exit_when_ready:
-            return 0
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        dead = [r for r, p in zip(rows, procs, strict=True) if p.poll() is not None]
-        print(f"exiting: {', '.join(r[0] for r in dead)} stopped", file=sys.stderr)
+    rcmd = [sys.executable, "-m", "torchbridge", "route", "--host", args.host, "--port", str(args.router_port)]
+    for url in urls:
+        rcmd += ["--replica", url]
+    for flag, val in (("--config", args.config), ("--model", args.model), ("--profile", args.profile)):
+        if val:
+            rcmd += [flag, val]
+    rlog = open(log_dir / "router.log", "wb")  # noqa: SIM115
+    # The router never uses the device backend; skipping it saves importing torch and jax.
+    renv = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1"}
+    procs.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT, env=renv))
+    rurl = f"http://{args.host}:{args.router_port}"
+    ok = _wait_healthy(rurl, procs[-1], 60.0, stop)
+    if stop.set:
+        return _shutting_down()
+    rows.append(("router", rurl, procs[-1].pid, "healthy" if ok else f"FAILED (see {log_dir}/router.log)"))
+    _table(rows)
+    if not ok:
         return 1
-    except KeyboardInterrupt:
-        print("\nshutting down", flush=True)
+    print(f"\nOpenAI endpoint: {rurl}/v1   metrics: {rurl}/metrics   replicas: {rurl}/admin/replicas\n"
+          "Ctrl-C stops everything.", flush=True)
+    if args.exit_when_ready:
         return 0
-    finally:
-        _stop(procs)
+    while not stop.set and all(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    if stop.set:
+        return _shutting_down()
+    dead = [r for r, p in zip(rows, procs, strict=True) if p.poll() is not None]
+    print(f"exiting: {', '.join(r[0] for r in dead)} stopped", file=sys.stderr)
+    return 1
+
+
+def _shutting_down() -> int:
+    print("\nshutting down", flush=True)
+    return 0
 
 
 def _table(rows: list[tuple[str, str, int, str]]) -> None:
