@@ -532,8 +532,9 @@ def install_fast_path(slow: Any) -> None:
     without entering Python; `slow` is the Python fallback it calls for everything else."""
     mod = native.load()
     mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
-                   STATE.next_rng, _rebuild, _Fast._fields)
-    mod.fast_enable(not fused.active())
+                   STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, _Fast._fields)
+    mod.fast_enable(True)
+    mod.fast_fused(fused.active())
 
 
 # ---- the entry point ---------------------------------------------------------------------------
@@ -597,8 +598,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, r
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     if not lazy:
         STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
-        if sig is not None and not hosts and not host_scalars:
-            _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
+    if sig is not None and not hosts and not host_scalars:
+        _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     returns = _returned_positions(info, kwargs)

@@ -109,6 +109,14 @@ def _compose(records: list, live: list[tuple[int, int]]):
 RECORDER = _Recorder()
 
 
+def record_fast(program: Any, bufs: tuple, scalars: tuple, rng: Any) -> tuple[tuple, tuple, bool]:
+    """The C++ fast path's way in (native.fast_call in fused mode): record a remembered call.
+    Returns the placeholders of its (updated, new) buffers and whether the size bound says to flush
+    once they are in the table."""
+    updated, new = RECORDER.record(program, bufs, scalars, (), (), rng)
+    return updated, new, len(RECORDER.records) >= MAX_OPS
+
+
 def active() -> bool:
     return _mode == "fused"
 
@@ -125,8 +133,8 @@ def set_mode(mode: str) -> None:
     _mode = mode
     from torchbridge.device import native
 
-    if native.loaded():  # the C++ fast path would bypass the recorder
-        native.load().fast_enable(mode == "eager")
+    if native.loaded():  # the C++ fast path records instead of running, so the recorder sees every op
+        native.load().fast_fused(mode == "fused")
 
 
 def mode() -> str:

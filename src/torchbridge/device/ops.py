@@ -380,8 +380,8 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             return _run_with_generator(op, args, kwargs)
         if getattr(info.lowering.fn, "dynamic_shape", False):
             return run_dynamic(op, info.lowering, args, kwargs)
-        sig = None if fused.active() else dispatch.signature(op, info, args, kwargs)
-        if sig is not None:
+        sig = dispatch.signature(op, info, args, kwargs)
+        if sig is not None and not fused.active():  # (fused mode's repeat calls are recorded in C++)
             result = dispatch.run_fast(sig, args, kwargs)
             if result is not dispatch.MISS:
                 return result

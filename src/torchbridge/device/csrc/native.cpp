@@ -451,15 +451,19 @@ namespace fastpath {
 // Set once by Python (dispatch.install_fast_path) and kept for the life of the process.
 PyObject* g_fast = nullptr;        // dict: key -> dispatch._Fast
 PyObject* g_table = nullptr;       // dict: storage address -> buffer (the storage table)
-PyObject* g_array_type = nullptr;  // the concrete buffer class; anything else (fused placeholders) goes slow
+PyObject* g_array_type = nullptr;  // the concrete buffer class; anything else goes slow ...
+PyObject* g_pending_type = nullptr;  // ... but fused mode's placeholders (fused.Pending) while it records
 PyObject* g_last = nullptr;        // dict: device index -> last results (what synchronize() waits on)
 PyObject* g_slow = nullptr;        // ops.fallback(op, *args, **kwargs)
 PyObject* g_drain = nullptr;       // the storage table's drain()
 PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index)
 PyObject* g_rebuild = nullptr;     // dispatch._rebuild(out_struct, outputs)
+PyObject* g_record = nullptr;      // fused.record_fast(program, bufs, scalars, rng) -> (updated, new, flush)
+PyObject* g_flush = nullptr;       // the storage table's flush(): runs what fused mode recorded
 PyObject* g_dtype = nullptr;       // "dtype"
 PyObject* g_call = nullptr;        // "call"
-bool g_enabled = false;            // off in fused eager mode (the recorder must see every op)
+bool g_enabled = false;            // on once setup() ran
+bool g_fused = false;              // fused eager mode: a hit records the program instead of running it
 uint64_t g_hits = 0;               // calls served here (torchbridge.metrics()["fast_path_hits"])
 std::unordered_map<PyObject*, std::pair<PyObject*, PyObject*>> g_ops;  // op -> (dynamic per position, dynamic kwargs)
 
@@ -472,7 +476,7 @@ const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "dev_index", 
 
 void setup(pybind11::object fast, pybind11::object table, pybind11::object array_type, pybind11::object last,
            pybind11::object slow, pybind11::object drain, pybind11::object next_rng, pybind11::object rebuild,
-           pybind11::tuple fields) {
+           pybind11::object pending_type, pybind11::object record, pybind11::object flush, pybind11::tuple fields) {
   TORCH_CHECK(fields.size() == kNumFields, "torchbridge: _Fast has ", fields.size(), " fields, the fast path expects ",
               static_cast<int>(kNumFields));
   for (int i = 0; i < kNumFields; ++i)
@@ -486,6 +490,9 @@ void setup(pybind11::object fast, pybind11::object table, pybind11::object array
   g_drain = drain.release().ptr();
   g_next_rng = next_rng.release().ptr();
   g_rebuild = rebuild.release().ptr();
+  g_pending_type = pending_type.release().ptr();
+  g_record = record.release().ptr();
+  g_flush = flush.release().ptr();
   g_dtype = PyUnicode_InternFromString("dtype");
   g_call = PyUnicode_InternFromString("call");
 }
@@ -511,6 +518,8 @@ std::vector<int64_t> ints(PyObject* seq) {
   for (Py_ssize_t i = 0; i < n; ++i) out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i)));
   return out;
 }
+
+object finish(PyObject* entry, PyObject* args, PyObject* kwargs, PyObject* dev_index, const object& fresh);
 
 // The result of a hit, or a null object for "take the general path" (no Python error set).
 object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
@@ -539,7 +548,10 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
       if (PyErr_Occurred()) throw pybind11::error_already_set();
       return object();  // e.g. a fresh out= tensor: the general path gives it zeros
     }
-    if (Py_TYPE(b) != reinterpret_cast<PyTypeObject*>(g_array_type)) return object();
+    PyTypeObject* type = Py_TYPE(b);
+    if (type != reinterpret_cast<PyTypeObject*>(g_array_type) &&
+        !(g_fused && type == reinterpret_cast<PyTypeObject*>(g_pending_type)))
+      return object();
     object dt = checked(PyObject_GetAttr(b, g_dtype));
     int same = PyObject_RichCompareBool(dt.ptr(), PyList_GET_ITEM(dtypes, i), Py_EQ);
     if (same < 0) throw pybind11::error_already_set();
@@ -554,7 +566,14 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
   object empty = checked(PyTuple_New(0));
   PyObject* writes = PyTuple_GET_ITEM(entry, kWrites);
   object result;
-  if (PyTuple_GET_SIZE(writes) > 0) {
+  bool flush = false;
+  if (g_fused) {  // record it; the table takes the placeholders of its results below
+    object tup = checked(PyList_AsTuple(bufs.ptr()));
+    object rec = checked(PyObject_CallFunctionObjArgs(g_record, PyTuple_GET_ITEM(entry, kProgram), tup.ptr(),
+                                                      scalars.ptr(), rng.ptr(), nullptr));
+    flush = PyObject_IsTrue(PyTuple_GET_ITEM(rec.ptr(), 2)) == 1;
+    result = checked(PyTuple_GetSlice(rec.ptr(), 0, 2));
+  } else if (PyTuple_GET_SIZE(writes) > 0) {
     // _Program.call decides on buffer donation from reference counts: `bufs` must hold the only
     // references besides the table's.
     object call = checked(PyObject_GetAttr(PyTuple_GET_ITEM(entry, kProgram), g_call));
@@ -569,7 +588,7 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
   object parts = checked(PySequence_Tuple(result.ptr()));
   TORCH_CHECK(PyTuple_GET_SIZE(parts.ptr()) == 2, "torchbridge: a device program returned ",
               PyTuple_GET_SIZE(parts.ptr()), " parts, expected (updated, new)");
-  if (PyDict_SetItem(g_last, dev_index, parts.ptr()) < 0) throw pybind11::error_already_set();
+  if (!g_fused && PyDict_SetItem(g_last, dev_index, parts.ptr()) < 0) throw pybind11::error_already_set();
   object updated = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 0), "updated buffers"));
   object fresh = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 1), "new buffers"));
   Py_ssize_t nw = PyTuple_GET_SIZE(writes);
@@ -579,6 +598,14 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
     if (PyDict_SetItem(g_table, keys.at(slot).ptr(), PySequence_Fast_GET_ITEM(updated.ptr(), i)) < 0)
       throw pybind11::error_already_set();
   }
+  object ret = finish(entry, args, kwargs, dev_index, fresh);
+  if (flush) checked(PyObject_CallNoArgs(g_flush));  // after the table holds this op's placeholders
+  return ret;
+}
+
+// The return value of a hit whose written buffers are in the table: the written arguments, or
+// new output tensors holding `fresh`.
+object finish(PyObject* entry, PyObject* args, PyObject* kwargs, PyObject* dev_index, const object& fresh) {
   PyObject* returns = PyTuple_GET_ITEM(entry, kReturns);
   if (returns != Py_None) {
     if (PyTuple_GET_ITEM(entry, kReturnsNone) == Py_True) return reinterpret_borrow<object>(Py_None);
@@ -728,6 +755,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_register_op", &fastpath::register_op, "let fast_call serve this op's remembered calls");
   m.def("fast_hits", []() { return fastpath::g_hits; });
   m.def("fast_enable", [](bool on) { fastpath::g_enabled = on && fastpath::g_fast != nullptr; });
+  m.def("fast_fused", [](bool on) { fastpath::g_fused = on; }, "fused eager mode: hits record instead of run");
   m.add_object("fast_call", pybind11::reinterpret_steal<pybind11::object>(
                                 PyCFunction_NewEx(&fastpath::g_fast_call_def, nullptr, nullptr)));
   m.def("current_device", []() { return static_cast<int>(t_current_device); });
