@@ -22,6 +22,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.node import map_arg
 
+from torchbridge.compile import patterns
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
@@ -44,6 +45,9 @@ class GraphProgram:
         self.output_node = next(n for n in self.nodes if n.op == "output")
         self.random = any(_is_random(n) for n in self.nodes)
         self.fenced = _broadcast_transcendentals(self.nodes)
+        self.patterns = patterns.find(self.nodes)
+        self.absorbed = frozenset(n for m in self.patterns.values() for n in m.absorbed)
+        compile_counter["patterns"] += len(self.patterns)
         # input mutations AOTAutograd kept in the graph: copy_(placeholder, value), applied by us
         self._written: dict[int, torch.fx.Node] = {}
         index = {n: i for i, n in enumerate(self.placeholders)}
@@ -204,6 +208,10 @@ class GraphProgram:
             for i, node in enumerate(self.nodes):
                 if node.op == "get_attr":
                     env[node] = const_vals[node.target]
+                elif node in self.absorbed:
+                    continue  # computed by the pattern that absorbed it
+                elif node in self.patterns:
+                    env[node] = _run_pattern(node, self.patterns[node], env)
                 elif node.op == "call_function":
                     env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i),
                                                untransposed)
@@ -261,6 +269,16 @@ class GraphProgram:
         if lowering.mutates:
             res, _ = res
         return _cast_like(res, val)
+
+
+def _run_pattern(node: torch.fx.Node, match: patterns.Match, env: dict) -> Any:
+    val = node.meta.get("val")
+    leaves = _tensor_leaves(val)
+    ctx = registry.TraceContext(out_shapes=[tuple(t.shape) for t in leaves],
+                                out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves])
+    with registry.tracing(ctx):
+        res = match.fn(*map_arg(match.inputs, lambda n: env[n]))
+    return _cast_like(res, val)
 
 
 def _storage_key(val: Any) -> Any:
@@ -564,9 +582,9 @@ def register(name: str) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    graphs = {k: v for k, v in compile_counter.items() if k not in ("recompiles", "donated_calls")}
-    return {"graphs_compiled": sum(graphs.values()), "recompiles": compile_counter["recompiles"],
-            "donated_calls": compile_counter["donated_calls"], "by_graph": graphs}
+    counters = ("recompiles", "donated_calls", "patterns")
+    graphs = {k: v for k, v in compile_counter.items() if k not in counters}
+    return {"graphs_compiled": sum(graphs.values()), **{k: compile_counter[k] for k in counters}, "by_graph": graphs}
 
 
 def bucket(n: int, buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)) -> int:
