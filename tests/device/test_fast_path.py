@@ -44,6 +44,37 @@ def test_repeat_calls_take_the_fast_path_without_new_programs():
     torch.testing.assert_close(out.cpu(), _data(0, 5, 6) + _data(1, 5, 6))
 
 
+def test_tensor_lists_on_the_fast_path():
+    """cat/stack and _foreach_ ops key each list item like a tensor argument; a list naming one
+    storage twice, or a view of another item's storage, is a different key."""
+    def fn(dev: str, i: int) -> torch.Tensor:
+        a, b = _data(i, 4, 3).to(dev), _data(i + 1, 2, 3).to(dev)
+        parts = [a, b * (i + 1)] if i % 2 == 0 else [a, a[:2]]
+        out = torch.cat(parts, 0)
+        stacked = torch.stack([out, out, out.flip(0)])
+        params = [stacked[0].clone(), stacked[1].clone()]
+        torch._foreach_add_(params, [stacked[2], params[0]], alpha=0.5)
+        return torch.cat([stacked.sum(0), *params])
+
+    _repeat_matches_cpu(fn, times=6)
+
+
+@_FUSED
+def test_lists_and_fresh_storages_are_served_in_cpp():
+    a, b = _data(0, 4, 3).to(DEV), _data(1, 4, 3).to(DEV)
+    for _ in range(2):
+        torch.cat([a, b]).cpu()
+        torch.zeros(3, 3, device=DEV).cpu()
+    before = torchbridge.metrics()
+    out = torch.cat([a, b])
+    z = torch.zeros(3, 3, device=DEV)  # empty (a storage never written), then fill_
+    after = torchbridge.metrics()
+    assert after["fast_path_hits"] == before["fast_path_hits"] + 2  # cat, and fill_ into the fresh storage
+    assert after["compiles"] == before["compiles"]
+    torch.testing.assert_close(out.cpu(), torch.cat([_data(0, 4, 3), _data(1, 4, 3)]))
+    torch.testing.assert_close(z.cpu(), torch.zeros(3, 3))
+
+
 def test_new_scalar_values_on_the_fast_path():
     def fn(dev: str, i: int) -> torch.Tensor:
         x = _data(0, 4, 4).to(dev)

@@ -459,45 +459,11 @@ class _Fast(NamedTuple):
 
 
 _fast: dict[Any, _Fast] = {}
-MISS = object()
 _ARRAY = type(jnp.zeros(()))
 
 
 def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:
     return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
-
-
-def run_fast(sig: Any, args: tuple, kwargs: dict) -> Any:
-    """The result of a repeat call from its remembered program, or MISS. (Hot: kept flat.)"""
-    entry = _fast.get(sig[0])
-    if entry is None:
-        return MISS
-    table = STATE.table._buffers
-    ptrs = sig[1]
-    bufs = [table.get(p) for p in ptrs]
-    for i, b in enumerate(bufs):
-        if b.__class__ is not _ARRAY:
-            if b is not None:  # a fused-mode placeholder
-                return MISS
-            bufs[i] = table[ptrs[i]] = storage.zeros(*entry.zeros[i])  # e.g. a fresh out= tensor
-    b = None  # a live loop variable would count as a reference and block donation (_Program.call)
-    if [b.dtype for b in bufs] != entry.buffer_dtypes:
-        return MISS
-    program = entry.program
-    rng = STATE.next_rng(entry.dev_index) if program.random else None
-    updated, new = program.call(bufs, sig[2], (), (), rng, entry.dev_index)
-    STATE.last_results[entry.dev_index] = (updated, new)
-    for slot, buf in zip(program.writes, updated, strict=True):
-        table[ptrs[slot]] = buf
-    if entry.returns is not None:
-        return None if entry.returns_none else _returned_args(entry.returns, args, kwargs)
-    new_tensor = native.load().new_tensor
-    outs = []
-    for (shape, strides, code), buf in zip(entry.outputs, new, strict=True):
-        t, key = new_tensor(shape, strides, code, entry.dev_index)
-        table[key] = buf
-        outs.append(t)
-    return outs[0] if entry.single else _rebuild(program.out_struct, outs)
 
 
 def _returned_positions(info: OpInfo_, kwargs: dict) -> tuple | None:
@@ -532,7 +498,8 @@ def install_fast_path(slow: Any) -> None:
     without entering Python; `slow` is the Python fallback it calls for everything else."""
     mod = native.load()
     mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
-                   STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, _Fast._fields)
+                   STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, storage.zeros,
+                   _Fast._fields)
     mod.fast_enable(True)
     mod.fast_fused(fused.active())
 

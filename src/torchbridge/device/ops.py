@@ -380,12 +380,8 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             return _run_with_generator(op, args, kwargs)
         if getattr(info.lowering.fn, "dynamic_shape", False):
             return run_dynamic(op, info.lowering, args, kwargs)
-        sig = dispatch.signature(op, info, args, kwargs)
-        if sig is not None and not fused.active():  # (fused mode's repeat calls are recorded in C++)
-            result = dispatch.run_fast(sig, args, kwargs)
-            if result is not dispatch.MISS:
-                return result
-        return dispatch.run(op, args, kwargs, sig)
+        # native.fast_call serves the repeat calls it can; the signature lets run() remember this one.
+        return dispatch.run(op, args, kwargs, dispatch.signature(op, info, args, kwargs))
     decomp = decomposition_table.get(op)
     active = getattr(_local, "decomposing", None)
     if active is None:
@@ -458,7 +454,6 @@ _override_lib: torch.library.Library | None = None
 
 
 def metrics() -> dict[str, Any]:
-    from torchbridge.device import fused
 
     info = dispatch.cache_info()
     return {

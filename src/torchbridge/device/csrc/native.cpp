@@ -339,8 +339,8 @@ pybind11::list describe(const std::vector<at::Tensor>& tensors) {
 
 // The eager fast path's cache key, built in one pass over a call's Python arguments.
 //
-// Returns None when the call needs the general path (CPU tensors, lists holding tensors, no device
-// tensor at all), else (key, storage_ptrs, scalars). The key holds the op id, a byte string packing
+// Returns None when the call needs the general path (CPU tensors, lists mixing tensors with other
+// values, no device tensor at all), else (key, storage_ptrs, scalars). The key holds the op id, a byte string packing
 // every device tensor's storage slot (aliasing), storage size, shape, strides, offset, dtype and
 // device, plus the *type* of each dynamic scalar, and then every other argument as a constant.
 // `dynamic` names, per position (then per kwarg name), the arguments whose numbers are traced values.
@@ -383,6 +383,17 @@ bool add(PyObject* obj, bool dynamic, std::string& blob, pybind11::list& consts,
   }
   if (PyList_Check(obj) || PyTuple_Check(obj)) {
     pybind11::sequence seq = pybind11::reinterpret_borrow<pybind11::sequence>(obj);
+    Py_ssize_t n = PySequence_Size(obj);
+    if (n > 0 && THPVariable_Check(PySequence_Fast_GET_ITEM(obj, 0))) {
+      // a tensor list (cat's inputs, a _foreach_ op's operands): every item a device tensor, in the
+      // order dispatch._Call.encode flattens them, so storage slots match the general path's
+      put(blob, 'L');
+      put(blob, n);
+      for (auto item : seq)
+        if (!THPVariable_Check(item.ptr()) || !add(item.ptr(), false, blob, consts, ptrs, scalars, any_device))
+          return false;
+      return true;
+    }
     for (auto item : seq)
       if (THPVariable_Check(item.ptr()) || PyList_Check(item.ptr()) || PyTuple_Check(item.ptr())) return false;
     put(blob, 'C');
@@ -460,6 +471,7 @@ PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index)
 PyObject* g_rebuild = nullptr;     // dispatch._rebuild(out_struct, outputs)
 PyObject* g_record = nullptr;      // fused.record_fast(program, bufs, scalars, rng) -> (updated, new, flush)
 PyObject* g_flush = nullptr;       // the storage table's flush(): runs what fused mode recorded
+PyObject* g_zeros = nullptr;       // storage.zeros(count, dtype, device): a fresh storage's (shared) zero buffer
 PyObject* g_dtype = nullptr;       // "dtype"
 PyObject* g_call = nullptr;        // "call"
 bool g_enabled = false;            // on once setup() ran
@@ -476,7 +488,8 @@ const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "dev_index", 
 
 void setup(pybind11::object fast, pybind11::object table, pybind11::object array_type, pybind11::object last,
            pybind11::object slow, pybind11::object drain, pybind11::object next_rng, pybind11::object rebuild,
-           pybind11::object pending_type, pybind11::object record, pybind11::object flush, pybind11::tuple fields) {
+           pybind11::object pending_type, pybind11::object record, pybind11::object flush, pybind11::object zeros,
+           pybind11::tuple fields) {
   TORCH_CHECK(fields.size() == kNumFields, "torchbridge: _Fast has ", fields.size(), " fields, the fast path expects ",
               static_cast<int>(kNumFields));
   for (int i = 0; i < kNumFields; ++i)
@@ -493,6 +506,7 @@ void setup(pybind11::object fast, pybind11::object table, pybind11::object array
   g_pending_type = pending_type.release().ptr();
   g_record = record.release().ptr();
   g_flush = flush.release().ptr();
+  g_zeros = zeros.release().ptr();
   g_dtype = PyUnicode_InternFromString("dtype");
   g_call = PyUnicode_InternFromString("call");
 }
@@ -544,9 +558,11 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
   for (size_t i = 0; i < ptrs.size(); ++i) {
     keys.push_back(checked(PyLong_FromUnsignedLongLong(ptrs[i])));
     PyObject* b = PyDict_GetItemWithError(g_table, keys.back().ptr());
-    if (b == nullptr) {
+    if (b == nullptr) {  // never written (torch.zeros' empty before its fill_, a fresh out= tensor): zeros
       if (PyErr_Occurred()) throw pybind11::error_already_set();
-      return object();  // e.g. a fresh out= tensor: the general path gives it zeros
+      object z = checked(PyObject_Call(g_zeros, PyTuple_GET_ITEM(PyTuple_GET_ITEM(entry, kZeros), i), nullptr));
+      if (PyDict_SetItem(g_table, keys.back().ptr(), z.ptr()) < 0) throw pybind11::error_already_set();
+      b = z.ptr();  // the table holds it now
     }
     PyTypeObject* type = Py_TYPE(b);
     if (type != reinterpret_cast<PyTypeObject*>(g_array_type) &&
