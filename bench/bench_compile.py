@@ -5,7 +5,9 @@
 Measures forward latency at batch 1 and 8 (sequence 128) and one training step (forward, backward,
 AdamW) for each arm, in one run, the arms taking turns within each iteration, and reports ratios.
 The `compiled-xla-only` arm is `compiled` with TORCHBRIDGE_HOST_KERNELS=0 (XLA's own dot and
-attention written in JAX instead of PyTorch's CPU GEMM and flash attention as custom calls). A second part measures cold start: the time to
+attention written in JAX instead of PyTorch's CPU GEMM and flash attention as custom calls); `compiled`
+itself uses PyTorch's GEMM only where it measured faster on this machine (host_calls.gemm_probe), and
+`compiled-host-gemm` forces it (TORCHBRIDGE_HOST_GEMM=1). A second part measures cold start: the time to
 the first compiled forward in a fresh process, twice, with the persistent XLA cache (the second
 process finds the first one's executables on disk).
 """
@@ -27,7 +29,7 @@ import torch
 import transformers
 
 import torchbridge
-from torchbridge.device import fused
+from torchbridge.device import fused, host_calls
 
 DEV = torchbridge.device_name()
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-only")
+    ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-only,compiled-host-gemm")
     ap.add_argument("--write", default=None)
     ap.add_argument("--torch-device", default="cpu", help="where the torch eager/inductor arms run (cpu, cuda)")
     args = ap.parse_args(argv)
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "compiled": ("bridge compiled", DEV, "tpu", "eager", {}),
         # the same, XLA only: no PyTorch kernels as custom calls (device/host_calls.py)
         "compiled-xla-only": ("bridge compiled, XLA only", DEV, "tpu", "eager", {"TORCHBRIDGE_HOST_KERNELS": "0"}),
+        "compiled-host-gemm": ("bridge compiled, PyTorch's GEMM forced", DEV, "tpu", "eager",
+                               {"TORCHBRIDGE_HOST_GEMM": "1"}),
     }
     keys = args.arms.split(",")
     built = [Arm(k, arms[k][0], model, *arms[k][1:], args.seq) for k in keys]
@@ -187,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"Command: `python bench/bench_compile.py {' '.join(argv or sys.argv[1:])}`\n\n"
                 f"Milliseconds, median of {args.iters} after {args.warmup} warm-up runs, the arms taking turns"
                 f" within each iteration; sequence {args.seq}.\n\n{table}\n")
+        if host_calls.enabled():
+            probe = host_calls.gemm_probe()
+            text += (f"\nGEMM choice on this machine (host_calls.gemm_probe, {'x'.join(map(str, host_calls._PROBE))}):"
+                     f" PyTorch's GEMM {probe['torch_ms']:.2f} ms, XLA's dot {probe['xla_ms']:.2f} ms, so"
+                     f" `bridge compiled` uses {'PyTorch' if probe['host_gemm'] else 'XLA'}'s.\n")
         if cold:
             text += (f"\nCold start (time to the first compiled forward in a fresh process, persistent XLA cache):"
                      f" first process {cold[0]:.1f} s, second process {cold[1]:.1f} s ({cold[0] / cold[1]:.1f}x).\n")

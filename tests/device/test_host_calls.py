@@ -19,6 +19,24 @@ DEV = torchbridge.device_name()
 pytestmark = pytest.mark.skipif(not host_calls.enabled(), reason="the host GEMM only exists on JAX's CPU platform")
 
 
+@pytest.fixture(autouse=True)
+def _host_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the host GEMM itself: on whether this machine's measurement picks it."""
+    monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "1")
+
+
+def test_gemm_choice_follows_the_switch_else_this_machines_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert host_calls.gemm_enabled()
+    monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "0")
+    assert not host_calls.gemm_enabled()
+    monkeypatch.delenv("TORCHBRIDGE_HOST_GEMM")
+    probe = host_calls.gemm_probe()
+    assert probe["torch_ms"] > 0 and probe["xla_ms"] > 0
+    assert host_calls.gemm_enabled() == (probe["torch_ms"] < host_calls._MARGIN * probe["xla_ms"])
+    monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", "0")  # attention and GEMM both off
+    assert not host_calls.gemm_enabled()
+
+
 def _close(dev: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(dev.cpu(), ref, rtol=1e-5, atol=1e-5)
 

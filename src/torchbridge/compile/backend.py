@@ -93,7 +93,7 @@ class GraphProgram:
         consts = []
         for t in self._constants.values():
             consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
-        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.enabled())
+        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.switches())
         entry = self._programs.get(key)
         if entry is None:
             if self._programs:
@@ -502,7 +502,7 @@ def _diff(old: Any, new: Any) -> str:
         return "first call"
     changes = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[0], new[0], strict=False)) if a != b]
     if old[2] != new[2]:
-        changes.append(f"TORCHBRIDGE_HOST_KERNELS: {'on' if new[2] else 'off'}")
+        changes.append(f"host kernels (attention, GEMM): {old[2]} -> {new[2]}")
     return "; ".join(changes) or "constants changed"
 
 

@@ -350,7 +350,7 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     out_shapes = [tuple(m.shape) for m in leaves]
     out_dtypes = [dtypes.to_jax(m.dtype) for m in leaves]
     write_slots = sorted({descs[i].slot for idx, _ in written for i in idx})
-    gemm_operands = host_calls.GEMM_OPERANDS.get(op._schema.name, ()) if host_calls.enabled() else ()
+    gemm_operands = host_calls.GEMM_OPERANDS.get(op._schema.name, ()) if host_calls.gemm_enabled() else ()
 
     def program(bufs, scalars, hosts, host_scalars, rng):
         bufs = list(bufs)

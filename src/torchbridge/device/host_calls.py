@@ -1,11 +1,14 @@
 """XLA custom calls for JAX's CPU platform: PyTorch's CPU kernels for matrix products and fused
 attention inside XLA executables, and a fusion fence.
 
-XLA:CPU's own dot (YNNPACK/Eigen) ran 1.2-1.4x slower than torch's GEMM on transformer-shaped
-products on our 2-core CPU, and those products are most of a model step. So when the bridge runs on
-JAX's CPU platform, mm/bmm/addmm lower to an XLA FFI custom call (csrc/host_calls.cpp) that calls
-`at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still compiles, fuses and schedules everything
-else; only the inner product changes hands. On any other platform (TPU, GPU) XLA's dot is used.
+Which GEMM is faster depends on the CPU: on one 2-core machine XLA:CPU's own dot (YNNPACK/Eigen)
+ran 1.2-1.4x slower than torch's GEMM on transformer-shaped products, on another (AMD EPYC, AVX-512)
+it ran 7-10% faster, and inside a training step by 15% (a host GEMM's OpenMP threads also contend
+with XLA's own). So on JAX's CPU platform the first eligible product measures both once per process
+(`gemm_enabled`), and only where torch's GEMM wins clearly do mm/bmm/addmm lower to an XLA FFI custom
+call (csrc/host_calls.cpp) that calls `at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still
+compiles, fuses and schedules everything else; only the inner product changes hands.
+`TORCHBRIDGE_HOST_GEMM=1`/`0` forces the choice. On any other platform (TPU, GPU) XLA's dot is used.
 
 `attention`/`attention_backward` run PyTorch's CPU flash attention (the kernel CPU PyTorch and
 inductor use) for the fused SDPA op of compiled graphs (lowerings/attention.py).
@@ -20,11 +23,17 @@ consumer element; the fence (a copy XLA cannot see through) keeps it computed on
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import statistics
+import threading
+import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from torchbridge.device.state import STATE
 
@@ -38,6 +47,11 @@ _ATTENTION_BACKWARD = "torchbridge_attention_backward"
 # side by side on its own threads.
 MIN_MACS = 32 * 32 * 32
 MIN_ROWS = 256
+# The probe for the GEMM choice: a transformer-shaped product (tokens x hidden @ hidden x MLP). Torch's
+# GEMM must beat XLA's dot by this margin alone, since inside a graph it also contends with XLA's threads.
+_PROBE = (1024, 384, 1024)
+_MARGIN = 0.9
+log = logging.getLogger(__name__)
 _registered = False
 # Positional operands of the ops whose lowering takes `Transposed` operands (schema name -> positions).
 GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2)}
@@ -70,8 +84,61 @@ def _on_cpu() -> bool:
 
 
 def enabled() -> bool:
-    """Whether products and fused attention go to PyTorch's kernels (CPU platform, not turned off)."""
+    """Whether fused attention goes to PyTorch's kernels, and products may (CPU platform, not turned off)."""
     return _on_cpu() and os.environ.get("TORCHBRIDGE_HOST_KERNELS", "1") != "0"
+
+
+def gemm_enabled() -> bool:
+    """Whether eligible products go to PyTorch's CPU GEMM: host kernels on, and TORCHBRIDGE_HOST_GEMM
+    says so or, unset, torch's GEMM measured faster than XLA's dot on this machine."""
+    if not enabled():
+        return False
+    forced = os.environ.get("TORCHBRIDGE_HOST_GEMM")
+    if forced is not None:
+        return forced != "0"
+    return gemm_probe()["host_gemm"]
+
+
+def switches() -> tuple[bool, bool]:
+    """What a traced program's choice of kernels depends on (compiled graphs key executables on it)."""
+    return enabled(), gemm_enabled()
+
+
+@functools.cache
+def gemm_probe() -> dict[str, Any]:
+    """Torch's GEMM vs XLA's dot on `_PROBE`, measured once per process. It runs on a thread of its
+    own: the first product is usually met while a program is being traced, and JAX's trace state
+    (which would capture the probe's own calls) is per thread."""
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(_measure_gemm()), name="torchbridge-gemm-probe")
+    thread.start()
+    thread.join()
+    log.info("torchbridge: host GEMM %s (torch %.2f ms, XLA dot %.2f ms for %s)", "on" if out["host_gemm"] else "off",
+             out["torch_ms"], out["xla_ms"], "x".join(map(str, _PROBE)))
+    return out
+
+
+def _measure_gemm() -> dict[str, Any]:
+    m, k, n = _PROBE
+    rng = np.random.default_rng(0)
+    device = STATE.jax_device(0)
+    a = jax.device_put(rng.standard_normal((m, k), dtype=np.float32), device)
+    b = jax.device_put(rng.standard_normal((k, n), dtype=np.float32), device)
+    out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+    arms = {"xla_ms": jax.jit(lambda x, y: jnp.matmul(x, y)),
+            "torch_ms": jax.jit(lambda x, y: jax.ffi.ffi_call(_TARGET, out)(x, y, trans_a=False, trans_b=False))}
+    res = {}
+    # XLA's dot first and each arm on its own: right after a torch GEMM, libgomp's worker threads
+    # spin for a while and a 2-core machine's XLA dot took twice its time in about half the processes
+    for name in ("xla_ms", "torch_ms"):
+        times = []
+        for i in range(12):
+            t = time.perf_counter()
+            arms[name](a, b).block_until_ready()
+            if i >= 3:  # the first calls compile and warm up
+                times.append(time.perf_counter() - t)
+        res[name] = statistics.median(times) * 1e3
+    return {**res, "host_gemm": res["torch_ms"] < _MARGIN * res["xla_ms"]}
 
 
 def fence(x: Any) -> Any:
@@ -115,7 +182,7 @@ def matmul(a: Any, b: Any) -> Any:
     b_arr, tb = _unwrap(b)
     if enabled() and hasattr(a_arr, "ndim") and hasattr(b_arr, "ndim"):
         sa, sb = _shapes(a_arr, ta, b_arr, tb)
-        if _eligible(a_arr, b_arr, sa, sb):
+        if _eligible(a_arr, b_arr, sa, sb) and gemm_enabled():
             out = jax.ShapeDtypeStruct(sa[:-1] + (sb[-1],), a_arr.dtype)
             return jax.ffi.ffi_call(_TARGET, out)(a_arr, b_arr, trans_a=ta, trans_b=tb)
     return jnp.matmul(value(a), value(b), preferred_element_type=None)
