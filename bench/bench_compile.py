@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" within each iteration; sequence {args.seq}.\n\n{table}\n")
         if host_calls.enabled():
             probe = host_calls.gemm_probe()
-            text += (f"\nGEMM choice on this machine (host_calls.gemm_probe, {'x'.join(map(str, host_calls._PROBE))}):"
+            text += (f"\nGEMM choice on this machine (host_calls.gemm_probe, {'x'.join(map(str, host_calls.GEMM_PROBE))}):"
                      f" PyTorch's GEMM {probe['torch_ms']:.2f} ms, XLA's dot {probe['xla_ms']:.2f} ms, so"
                      f" `bridge compiled` uses {'PyTorch' if probe['host_gemm'] else 'XLA'}'s.\n")
         if cold:

@@ -23,5 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device      {name}: {mod.device_count()} x {mod.get_device_name(0)}")
     x = torch.arange(6.0).reshape(2, 3)
     ok = torch.equal((x.to(name) * 2).cpu(), x * 2)
+    from torchbridge.device import host_calls
+
+    if host_calls.enabled():  # JAX's CPU platform: which GEMM this machine's products take
+        probe = host_calls.gemm_probe()
+        choice = "PyTorch's" if host_calls.gemm_enabled() else "XLA's"
+        print(f"products    {choice} GEMM (measured: PyTorch {probe['torch_ms']:.2f} ms, XLA {probe['xla_ms']:.2f} ms"
+              f" for {'x'.join(map(str, host_calls.GEMM_PROBE))}; TORCHBRIDGE_HOST_GEMM=1/0 forces)")
     print(f"smoke test  {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1

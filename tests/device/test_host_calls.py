@@ -32,7 +32,7 @@ def test_gemm_choice_follows_the_switch_else_this_machines_measurement(monkeypat
     monkeypatch.delenv("TORCHBRIDGE_HOST_GEMM")
     probe = host_calls.gemm_probe()
     assert probe["torch_ms"] > 0 and probe["xla_ms"] > 0
-    assert host_calls.gemm_enabled() == (probe["torch_ms"] < host_calls._MARGIN * probe["xla_ms"])
+    assert host_calls.gemm_enabled() == (probe["torch_ms"] < host_calls.GEMM_MARGIN * probe["xla_ms"])
     monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", "0")  # attention and GEMM both off
     assert not host_calls.gemm_enabled()
 

@@ -49,8 +49,8 @@ MIN_MACS = 32 * 32 * 32
 MIN_ROWS = 256
 # The probe for the GEMM choice: a transformer-shaped product (tokens x hidden @ hidden x MLP). Torch's
 # GEMM must beat XLA's dot by this margin alone, since inside a graph it also contends with XLA's threads.
-_PROBE = (1024, 384, 1024)
-_MARGIN = 0.9
+GEMM_PROBE = (1024, 384, 1024)
+GEMM_MARGIN = 0.9
 log = logging.getLogger(__name__)
 _registered = False
 # Positional operands of the ops whose lowering takes `Transposed` operands (schema name -> positions).
@@ -106,7 +106,7 @@ def switches() -> tuple[bool, bool]:
 
 @functools.cache
 def gemm_probe() -> dict[str, Any]:
-    """Torch's GEMM vs XLA's dot on `_PROBE`, measured once per process. It runs on a thread of its
+    """Torch's GEMM vs XLA's dot on `GEMM_PROBE`, measured once per process. It runs on a thread of its
     own: the first product is usually met while a program is being traced, and JAX's trace state
     (which would capture the probe's own calls) is per thread."""
     out: dict[str, Any] = {}
@@ -114,12 +114,12 @@ def gemm_probe() -> dict[str, Any]:
     thread.start()
     thread.join()
     log.info("torchbridge: host GEMM %s (torch %.2f ms, XLA dot %.2f ms for %s)", "on" if out["host_gemm"] else "off",
-             out["torch_ms"], out["xla_ms"], "x".join(map(str, _PROBE)))
+             out["torch_ms"], out["xla_ms"], "x".join(map(str, GEMM_PROBE)))
     return out
 
 
 def _measure_gemm() -> dict[str, Any]:
-    m, k, n = _PROBE
+    m, k, n = GEMM_PROBE
     rng = np.random.default_rng(0)
     device = STATE.jax_device(0)
     a = jax.device_put(rng.standard_normal((m, k), dtype=np.float32), device)
@@ -138,7 +138,7 @@ def _measure_gemm() -> dict[str, Any]:
             if i >= 3:  # the first calls compile and warm up
                 times.append(time.perf_counter() - t)
         res[name] = statistics.median(times) * 1e3
-    return {**res, "host_gemm": res["torch_ms"] < _MARGIN * res["xla_ms"]}
+    return {**res, "host_gemm": res["torch_ms"] < GEMM_MARGIN * res["xla_ms"]}
 
 
 def fence(x: Any) -> Any:
