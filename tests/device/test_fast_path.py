@@ -75,6 +75,42 @@ def test_lists_and_fresh_storages_are_served_in_cpp():
     torch.testing.assert_close(z.cpu(), torch.zeros(3, 3))
 
 
+def test_zero_of_a_never_written_storage_is_free_and_of_a_written_one_zeroes_it():
+    """zero_ on a storage nobody wrote is served as a no-op (it reads as zeros already: autograd's zero
+    gradient for an unused output); the same remembered entry must still zero a written storage."""
+    for i in range(4):
+        fresh = torch.empty(6, 5, device=DEV).zero_()
+        written = (_data(i, 6, 5) + 1.0).to(DEV).zero_()
+        torch.testing.assert_close(fresh.cpu(), torch.zeros(6, 5))
+        torch.testing.assert_close(written.cpu(), torch.zeros(6, 5))
+        fresh.add_(i)  # and it is an ordinary storage afterwards
+        torch.testing.assert_close(fresh.cpu(), torch.full((6, 5), float(i)))
+
+
+class _TwoOutputs(torch.autograd.Function):
+    """Like a compiled model returning (loss, logits): autograd hands its backward zeros for the
+    output nobody used."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0, x * 3.0
+
+    @staticmethod
+    def backward(ctx, g_used, g_unused):
+        return g_used * 2.0 + g_unused * 3.0
+
+
+def test_zero_gradient_of_an_unused_output_matches_cpu():
+    for dev in (DEV, "cpu"):
+        x = _data(0, 4, 3).to(dev).requires_grad_()
+        for _ in range(3):
+            used, _unused = _TwoOutputs.apply(x)
+            used.sum().backward()
+        if dev == DEV:
+            got = x.grad.cpu()
+    torch.testing.assert_close(got, x.grad)
+
+
 def test_new_scalar_values_on_the_fast_path():
     def fn(dev: str, i: int) -> torch.Tensor:
         x = _data(0, 4, 4).to(dev)

@@ -438,9 +438,9 @@ def _tensor_indices(enc: Any) -> list[int]:
 # ---- the fast path -----------------------------------------------------------------------------
 #
 # A repeat call (same op, same tensor layouts and aliasing, same constants, same scalar types) skips
-# encoding, classification and the general cache key: one C++ pass over the arguments builds the key
-# (native.signature), and a hit runs the cached program on the storages' current buffers. Anything
-# unusual (CPU tensors, tensor lists, factory calls, fused mode, a dtype-punned storage) takes the
+# encoding, classification and the general cache key: native.fast_call builds the key in one C++ pass
+# over the arguments, and a hit runs the cached program on the storages' current buffers (or records
+# it, in fused mode). Anything unusual (CPU tensors, factory calls, a dtype-punned storage) takes the
 # general path, which records the fast entry once it has run the call.
 
 class _Fast(NamedTuple):
@@ -456,6 +456,7 @@ class _Fast(NamedTuple):
     writes: tuple  # position (see _Fast fields in csrc/native.cpp), so they are copied here
     random: bool
     out_struct: Any
+    zeroes: bool  # zero_ of one storage: a never-written storage already reads as zeros, nothing to do
 
 
 _fast: dict[Any, _Fast] = {}
@@ -489,7 +490,8 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
-                          program.fn, tuple(program.writes), bool(program.random), program.out_struct)
+                          program.fn, tuple(program.writes), bool(program.random), program.out_struct,
+                          op is torch.ops.aten.zero_.default and len(storages) == 1)
     native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)
 
 

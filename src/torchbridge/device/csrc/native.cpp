@@ -481,10 +481,10 @@ std::unordered_map<PyObject*, std::pair<PyObject*, PyObject*>> g_ops;  // op -> 
 
 // dispatch._Fast's fields, in order; setup() checks them.
 enum Field { kProgram, kBufferDtypes, kDevIndex, kReturns, kReturnsNone, kZeros, kOutputs, kSingle, kFn,
-             kWrites, kRandom, kOutStruct, kNumFields };
+             kWrites, kRandom, kOutStruct, kZeroes, kNumFields };
 const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "dev_index", "returns",
                                        "returns_none", "zeros", "outputs", "single", "fn", "writes",
-                                       "random", "out_struct"};
+                                       "random", "out_struct", "zeroes"};
 
 void setup(pybind11::object fast, pybind11::object table, pybind11::object array_type, pybind11::object last,
            pybind11::object slow, pybind11::object drain, pybind11::object next_rng, pybind11::object rebuild,
@@ -560,6 +560,8 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
     PyObject* b = PyDict_GetItemWithError(g_table, keys.back().ptr());
     if (b == nullptr) {  // never written (torch.zeros' empty before its fill_, a fresh out= tensor): zeros
       if (PyErr_Occurred()) throw pybind11::error_already_set();
+      if (PyTuple_GET_ITEM(entry, kZeroes) == Py_True)  // zero_ of it (e.g. autograd's zero gradients)
+        return finish(entry, args, kwargs, PyTuple_GET_ITEM(entry, kDevIndex), object());
       object z = checked(PyObject_Call(g_zeros, PyTuple_GET_ITEM(PyTuple_GET_ITEM(entry, kZeros), i), nullptr));
       if (PyDict_SetItem(g_table, keys.back().ptr(), z.ptr()) < 0) throw pybind11::error_already_set();
       b = z.ptr();  // the table holds it now
