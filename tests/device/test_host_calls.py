@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchbridge
 from torchbridge.compile import backend
@@ -147,15 +148,11 @@ def _attention(q, k, v, mask, causal, gqa):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
-@pytest.mark.parametrize("host_kernels", ["1", "0"])
-@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "learned-bias", "gqa",
-                                  "fully-masked-row"])
-def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kernels: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """SDPA in a compiled graph is the fused overrideable op (forward and backward), run by PyTorch's
-    CPU flash attention (host kernels) or by the JAX lowering; values and gradients match CPU."""
-    monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", host_kernels)
-    torch._dynamo.reset()
+_CASES = ["plain", "causal", "bool-mask", "float-mask", "learned-bias", "gqa", "fully-masked-row"]
+
+
+def _attention_case(case: str) -> tuple:
+    """(q, k, v, mask, causal, gqa) on the CPU, all requiring gradients as the case says."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 40, 16, generator=g, requires_grad=True)
     kv_heads = 2 if case == "gqa" else 6
@@ -172,9 +169,33 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
     elif case == "fully-masked-row":  # PyTorch gives such a row 0 and no gradient, not NaN
         mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
         mask[:, :, 7] = False
-    causal, gqa = case == "causal", case == "gqa"
+    return q, k, v, mask, case == "causal", case == "gqa"
+
+
+def _check_attention(fn, case: str) -> None:
+    """`fn` (the attention, eager or compiled) on the device against `_attention` on the CPU."""
+    q, k, v, mask, causal, gqa = _attention_case(case)
     ref = _attention(q, k, v, mask, causal, gqa)
     ref.square().sum().backward()
+    dq, dk, dv = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
+    dmask = None if mask is None else mask.detach().to(DEV).requires_grad_(mask.requires_grad)
+    out = fn(dq, dk, dv, dmask, causal, gqa)
+    out.square().sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for dev_t, cpu_t in zip((dq, dk, dv), (q, k, v), strict=True):
+        torch.testing.assert_close(dev_t.grad.cpu(), cpu_t.grad, rtol=1e-4, atol=1e-5)
+    if case == "learned-bias":
+        torch.testing.assert_close(dmask.grad.cpu(), mask.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("host_kernels", ["1", "0"])
+@pytest.mark.parametrize("case", _CASES)
+def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kernels: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA in a compiled graph is the fused overrideable op (forward and backward), run by PyTorch's
+    CPU flash attention (host kernels) or by the JAX lowering; values and gradients match CPU."""
+    monkeypatch.setenv("TORCHBRIDGE_HOST_KERNELS", host_kernels)
+    torch._dynamo.reset()
     seen = []
     compile_graph = backend.compile_graph
 
@@ -183,24 +204,49 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
         return compile_graph(gm, example_inputs, forward)
 
     monkeypatch.setattr(backend, "compile_graph", spy)
-    dq, dk, dv = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
-    dmask = None if mask is None else mask.detach().to(DEV).requires_grad_(mask.requires_grad)
-    out = torch.compile(_attention, backend=DEV)(dq, dk, dv, dmask, causal, gqa)
-    out.square().sum().backward()
+    _check_attention(torch.compile(_attention, backend=DEV), case)
     torch._dynamo.reset()
     assert "aten._scaled_dot_product_fused_attention_overrideable.default" in seen
     assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in seen
     assert "aten.bmm.default" not in seen
-    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
-    for dev_t, cpu_t in zip((dq, dk, dv), (q, k, v), strict=True):
-        torch.testing.assert_close(dev_t.grad.cpu(), cpu_t.grad, rtol=1e-4, atol=1e-5)
-    if case == "learned-bias":
-        torch.testing.assert_close(dmask.grad.cpu(), mask.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_eager_attention_keeps_the_math_path() -> None:
-    """Outside compiled graphs the device answers "math" (the fused op is only lowered for graphs)."""
+class _OpLog(TorchDispatchMode):
+    """The ATen ops called on device tensors while it is active (forward and, through autograd's
+    thread-local state, backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(isinstance(a, torch.Tensor) and a.device.type == DEV for a in flat):
+            self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_FUSED = "aten._scaled_dot_product_fused_attention_overrideable.default"
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_eager_attention_is_one_fused_op_and_matches_cpu(case: str) -> None:
+    """Eager SDPA on the device is the same fused op (no [L, S] scores op by op): forward and backward."""
+    with _OpLog() as log:
+        _check_attention(_attention, case)
+    assert _FUSED in log.ops
+    assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in log.ops
+    assert "aten.bmm.default" not in log.ops
+
+
+def test_dropout_attention_keeps_the_math_path() -> None:
+    """Dropout has no fused kernel here: the device answers "math" and PyTorch decomposes it."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
-    _close(F.scaled_dot_product_attention(q.to(DEV), k.to(DEV), v.to(DEV), is_causal=True),
-           F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    torch.manual_seed(0)
+    with _OpLog() as log:
+        out = F.scaled_dot_product_attention(q.to(DEV), k.to(DEV), v.to(DEV), dropout_p=0.5)
+    assert out.shape == (1, 2, 8, 4) and torch.isfinite(out.cpu()).all()
+    assert _FUSED not in log.ops and "aten.bmm.default" in log.ops
+
+

@@ -563,15 +563,10 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """
     torch._dynamo.config.automatic_dynamic_shapes = False
     _log_recompile(gm, example_inputs)
-    from torchbridge.device import native
-
-    # F.scaled_dot_product_attention becomes one fused op in the graphs (lowerings/attention.py)
-    previous = native.load().set_fused_sdpa(True)
-    try:
-        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
-                            keep_inference_input_mutations=True)(gm, example_inputs)
-    finally:
-        native.load().set_fused_sdpa(previous)
+    # (F.scaled_dot_product_attention becomes one fused op in the graphs: the device answers PyTorch's
+    # SDPA backend choice with it, lowerings/attention.py)
+    return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
+                        keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def register(name: str) -> None:

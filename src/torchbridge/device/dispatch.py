@@ -276,6 +276,17 @@ def _rebuild(struct: Any, leaves: list) -> Any:
     return v
 
 
+def _result_leaves(struct: Any, res: Any) -> list:
+    """A lowering's result values where the meta result (`struct`, from _flatten_result) has tensors,
+    skipping what it holds as constants (None, sizes)."""
+    kind, v = struct
+    if kind == "t":
+        return [res]
+    if kind in ("l", "u"):
+        return [leaf for s, r in zip(v, res, strict=True) for leaf in _result_leaves(s, r)]
+    return []
+
+
 def _as_list(x: Any) -> list:
     if isinstance(x, (list, tuple)):
         out = []
@@ -387,6 +398,8 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
         if lowering.mutates:
             res, mutations = res
         res_leaves = _as_list(res)
+        if any(isinstance(r, (int, float)) for r in res_leaves):  # constants among the results (the fused
+            res_leaves = _result_leaves(out_struct, res)           # SDPA's sizes): where meta has tensors
         # Writes into existing storages (in-place, out=, running stats).
         for idx, source in written:
             kind, _, name = source.partition(":")

@@ -714,18 +714,18 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 }
 
 // ---- scaled_dot_product_attention's backend choice ------------------------------------------
-// PyTorch asks each device which SDPA kernel to use. While t_fused_sdpa is set (the compile backend
-// sets it around AOTAutograd's tracing) the answer is the PrivateUse1 "overrideable" fused op, which
-// the compile backend lowers as one attention (lowerings/attention.py); otherwise PyTorch's math
-// decomposition runs, as before. Per thread: another thread's eager SDPA keeps the math path.
-thread_local bool t_fused_sdpa = false;
+// PyTorch asks each device which SDPA kernel to use. Where the fused kernel applies (float32/64, no
+// dropout, 4-d, grouped-query heads allowed) the answer is the PrivateUse1 "overrideable" fused op,
+// lowered as one attention in eager mode and in compiled graphs (lowerings/attention.py); otherwise
+// PyTorch's math decomposition runs. set_fused_sdpa(false) answers "math" always (for comparisons).
+bool g_fused_sdpa = true;
 
 namespace at::native {
 int64_t torchbridge_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::optional<at::Tensor>& /*attn_mask*/, double dropout_p, bool /*is_causal*/,
                                std::optional<double> /*scale*/, bool enable_gqa) {
   const auto math = static_cast<int64_t>(at::SDPBackend::math);
-  if (!t_fused_sdpa || dropout_p > 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return math;
+  if (!g_fused_sdpa || dropout_p > 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return math;
   if (q.scalar_type() != k.scalar_type() || q.scalar_type() != v.scalar_type() ||
       (q.scalar_type() != at::kFloat && q.scalar_type() != at::kDouble)) {
     return math;
@@ -747,7 +747,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the XLA FFI handler of the CPU platform's GEMM custom call");
   m.def("fence_capsule", []() { return pybind11::capsule(torchbridge_fence_handler()); },
         "the XLA FFI handler of the CPU platform's fusion fence (a copy)");
-  m.def("set_fused_sdpa", [](bool on) { return std::exchange(t_fused_sdpa, on); },
+  m.def("set_fused_sdpa", [](bool on) { return std::exchange(g_fused_sdpa, on); },
         "route scaled_dot_product_attention to the fused overrideable op (returns the previous setting)");
   m.def("attention_capsule", []() { return pybind11::capsule(torchbridge_attention_handler()); },
         "the XLA FFI handler of the CPU platform's fused attention");

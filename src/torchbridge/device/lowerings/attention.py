@@ -1,8 +1,9 @@
 """Fused scaled-dot-product attention: PyTorch's PrivateUse1 "overrideable" SDPA op and its backward.
 
-The compile backend routes `F.scaled_dot_product_attention` here (native.set_fused_sdpa, while
-AOTAutograd traces) instead of PyTorch's math decomposition (two batched products, a softmax, the
-mask and the head transposes as separate graph ops). On JAX's CPU platform it runs PyTorch's CPU
+The device answers PyTorch's SDPA backend choice with this op (csrc/native.cpp, where the fused
+kernel applies), so `F.scaled_dot_product_attention` is one op in eager mode and in compiled graphs
+instead of PyTorch's math decomposition (two batched products, a softmax, the mask and the head
+transposes as separate ops, the [L, S] scores materialised). On JAX's CPU platform it runs PyTorch's CPU
 flash attention as a custom call (host_calls.attention), the kernel inductor uses; elsewhere it is
 the same attention written in JAX, and its backward is jax.vjp of it. Grouped-query attention
 (fewer key/value heads) repeats each key/value head for its group and sums their gradients back.
@@ -16,7 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from torchbridge.device import host_calls
-from torchbridge.device.lowerings.registry import ctx, lower
+from torchbridge.device.lowerings.registry import KERNEL_OVERRIDES, ctx, lower
+
+# PyTorch's own kernels for these only raise "not implemented" (they exist for out-of-tree devices to
+# override), and would win over the boxed fallback in eager mode.
+KERNEL_OVERRIDES.update({"_scaled_dot_product_fused_attention_overrideable",
+                         "_scaled_dot_product_fused_attention_overrideable_backward"})
 
 
 def _bias(bias, q, k):
