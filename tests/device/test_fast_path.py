@@ -257,3 +257,16 @@ def test_conjugate_view_after_a_plain_entry_with_the_same_layout():
         return torch.mm(a.conj() if i % 2 else a, b) + torch.mm(a, torch._neg_view(b) if i % 3 == 2 else b)
 
     _repeat_matches_cpu(fn, times=6)
+
+
+def test_zero_buffers_are_shared_up_to_a_size_and_the_cache_is_bounded():
+    from torchbridge.device import storage
+    from torchbridge.device.state import STATE
+
+    dev = STATE.jax_device(0)
+    small = storage.zeros(1000, "float32", dev)
+    assert storage.zeros(1000, "float32", dev) is small  # fresh storages of one size share it
+    big = storage.ZERO_CACHE_MAX // 4 + 1
+    assert storage.zeros(big, "float32", dev) is not storage.zeros(big, "float32", dev)  # not kept
+    assert sum(b.nbytes for b in storage._zero_cache.values()) <= storage.ZERO_CACHE_BYTES
+    assert not bool(storage.zeros(1000, "float32", dev).any())

@@ -74,26 +74,28 @@ class BufferTable:
 
 
 _zero_cache: OrderedDict[tuple, jax.Array] = OrderedDict()
-# Large zero buffers are kept too, least recently used first out past this many bytes: creating one
-# costs an allocation and a fill (~10 ms for the 32 MB zero gradient autograd gives a model's unused
-# logits output, every training step).
+# Zero buffers up to ZERO_CACHE_MAX bytes each are kept, least recently used out past ZERO_CACHE_BYTES:
+# creating one costs an allocation and a fill (~10 ms for the 32 MB zero gradient autograd gives a
+# model's unused logits output, every training step). Larger ones (a KV pool) are made each time.
 ZERO_CACHE_BYTES = 256 << 20
+ZERO_CACHE_MAX = 64 << 20
 
 
 def zeros(count: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
     # Immutable, so one zero buffer per (size, dtype, device) can back any number of fresh storages
-    # (and is never donated: the cache holds a reference).
+    # (and a cached one is never donated: the cache holds a reference).
     key = (count, jnp.dtype(dtype), device)
     buf = _zero_cache.get(key)
     if buf is not None:
         _zero_cache.move_to_end(key)
         return buf
     buf = jax.device_put(np.zeros((count,), dtype=dtype), device)
-    _zero_cache[key] = buf
-    total = sum(b.nbytes for b in _zero_cache.values())
-    while total > ZERO_CACHE_BYTES and len(_zero_cache) > 1:
-        _, old = _zero_cache.popitem(last=False)
-        total -= old.nbytes
+    if buf.nbytes <= ZERO_CACHE_MAX:
+        _zero_cache[key] = buf
+        total = sum(b.nbytes for b in _zero_cache.values())
+        while total > ZERO_CACHE_BYTES:
+            _, old = _zero_cache.popitem(last=False)
+            total -= old.nbytes
     return buf
 
 
