@@ -5,13 +5,13 @@ Which GEMM is faster depends on the CPU: on one 2-core machine XLA:CPU's own dot
 ran 1.2-1.4x slower than torch's GEMM on transformer-shaped products, on another (AMD EPYC, AVX-512)
 it ran 7-10% faster, and inside a training step by 15% (a host GEMM's OpenMP threads also contend
 with XLA's own). So on JAX's CPU platform the first eligible product measures both once per process
-(`gemm_enabled`), and only where torch's GEMM wins clearly do mm/bmm/addmm lower to an XLA FFI custom
+(`gemm_probe`), and only where torch's GEMM wins clearly do mm/bmm/addmm lower to an XLA FFI custom
 call (csrc/host_calls.cpp) that calls `at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still
 compiles, fuses and schedules everything else; only the inner product changes hands.
 `TORCHBRIDGE_HOST_GEMM=1`/`0` forces the choice. On any other platform (TPU, GPU) XLA's dot is used.
 
 `attention`/`attention_backward` run PyTorch's CPU flash attention (the kernel CPU PyTorch and
-inductor use) for the fused SDPA op of compiled graphs (lowerings/attention.py).
+inductor use) for the fused SDPA op, in eager mode and in compiled graphs (lowerings/attention.py).
 
 `TORCHBRIDGE_HOST_KERNELS=0` turns both off (XLA's dot and attention written in JAX), which is how the
 benchmark compares; it is read when a program is traced (compiled graphs key their executables on it).

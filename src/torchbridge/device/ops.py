@@ -454,7 +454,6 @@ _override_lib: torch.library.Library | None = None
 
 
 def metrics() -> dict[str, Any]:
-
     info = dispatch.cache_info()
     return {
         "eager_mode": fused.mode(),
