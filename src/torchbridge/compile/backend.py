@@ -258,27 +258,24 @@ class GraphProgram:
             raise NotImplementedError(
                 f"torchbridge.compile: operator '{target}' has no lowering for the '{STATE.name}' device"
             )
-        val = node.meta.get("val")
-        leaves = _tensor_leaves(val)
-        ctx = registry.TraceContext(
-            out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key
-        )
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-        with registry.tracing(ctx):
-            res = lowering.fn(*args, **kwargs)
-        if lowering.mutates:
-            res, _ = res
-        return _cast_like(res, val)
+        res = _traced(node, lowering.fn, args, kwargs, key)
+        return _cast_like(res[0] if lowering.mutates else res, node.meta.get("val"))
+
+
+def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None) -> Any:
+    """fn(*args, **kwargs) traced with `node`'s output shapes and dtypes (what lowerings may ask)."""
+    leaves = _tensor_leaves(node.meta.get("val"))
+    ctx = registry.TraceContext(
+        out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key
+    )
+    with registry.tracing(ctx):
+        return fn(*args, **kwargs)
 
 
 def _run_pattern(node: torch.fx.Node, match: patterns.Match, env: dict) -> Any:
-    val = node.meta.get("val")
-    leaves = _tensor_leaves(val)
-    ctx = registry.TraceContext(out_shapes=[tuple(t.shape) for t in leaves],
-                                out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves])
-    with registry.tracing(ctx):
-        res = match.fn(*map_arg(match.inputs, lambda n: env[n]))
-    return _cast_like(res, val)
+    res = _traced(node, match.fn, map_arg(match.inputs, lambda n: env[n]), {})
+    return _cast_like(res, node.meta.get("val"))
 
 
 def _storage_key(val: Any) -> Any:

@@ -515,7 +515,6 @@ def install_fast_path(slow: Any) -> None:
     mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
                    STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, storage.zeros,
                    _Fast._fields)
-    mod.fast_enable(True)
     mod.fast_fused(fused.active())
 
 

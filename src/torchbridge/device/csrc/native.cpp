@@ -509,6 +509,7 @@ void setup(pybind11::object fast, pybind11::object table, pybind11::object array
   g_zeros = zeros.release().ptr();
   g_dtype = PyUnicode_InternFromString("dtype");
   g_call = PyUnicode_InternFromString("call");
+  g_enabled = true;
 }
 
 void register_op(pybind11::object op, pybind11::tuple dynamic, pybind11::frozenset dynamic_kw) {
@@ -772,7 +773,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_setup", &fastpath::setup, "hand the fast path its dictionaries and Python fallbacks");
   m.def("fast_register_op", &fastpath::register_op, "let fast_call serve this op's remembered calls");
   m.def("fast_hits", []() { return fastpath::g_hits; });
-  m.def("fast_enable", [](bool on) { fastpath::g_enabled = on && fastpath::g_fast != nullptr; });
   m.def("fast_fused", [](bool on) { fastpath::g_fused = on; }, "fused eager mode: hits record instead of run");
   m.add_object("fast_call", pybind11::reinterpret_steal<pybind11::object>(
                                 PyCFunction_NewEx(&fastpath::g_fast_call_def, nullptr, nullptr)));
