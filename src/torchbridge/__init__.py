@@ -1,9 +1,10 @@
 """torchbridge: PyTorch on XLA through JAX, an LLM engine, and a cache-aware router.
 
-`import torchbridge` registers the device backend (default name `tpu`, renamed with
-TORCHBRIDGE_DEVICE_NAME). The engine (`torchbridge.serve`) and the router (`torchbridge.route`) do not
-need the backend; if it cannot load (no compiler, no jax) they still work and the error is kept for
-the first use of the device (`torchbridge.registration_error()`).
+The device backend (default name `tpu`, renamed with TORCHBRIDGE_DEVICE_NAME) registers itself when
+`import torch` runs, through PyTorch's `torch.backends` autoload entry point (see _register.py);
+importing this package imports neither torch nor jax. The engine (`torchbridge.serve`) and the router
+(`torchbridge.route`) do not need the backend; if it cannot load (no compiler, no jax) they still
+work and the error is kept for the first use of the device (`torchbridge.registration_error()`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from torchbridge._register import device_name, registration_error  # noqa: E402
+from torchbridge._register import device_name, register, registration_error  # noqa: E402
 
 
 def metrics() -> dict[str, Any]:
@@ -55,5 +56,5 @@ def set_matmul_precision(precision: str) -> None:
     dispatch.clear_cache()
 
 
-__all__ = ["__version__", "device_name", "metrics", "registration_error", "set_cpu_fallback", "set_eager_mode",
+__all__ = ["__version__", "device_name", "metrics", "register", "registration_error", "set_cpu_fallback", "set_eager_mode",
            "set_matmul_precision"]

@@ -1,4 +1,16 @@
-"""Import-time registration of the device backend, kept failure-tolerant (see package docstring)."""
+"""How the device reaches PyTorch.
+
+PyTorch imports every package on the `torch.backends` entry point while `import torch` runs
+(torch/__init__.py, `_import_device_backends`); ours (pyproject.toml) is `autoload` below. So `import
+torch` alone makes the device usable and its c10d backend known: scripts written for CUDA only change
+the device string, and nothing depends on import order. With `TORCH_DEVICE_BACKEND_AUTOLOAD=0`,
+`torchbridge.register()` does the same explicitly. `TORCHBRIDGE_NO_DEVICE=1` skips autoloading.
+
+Importing `torchbridge` or any of its layers never registers anything by itself (the router imports
+no torch at all). Registration never raises: if the bridge cannot load (no compiler, no jax) the
+engine on `cpu` still works and the error is kept for the first use of the device
+(`registration_error()`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +18,7 @@ import os
 import warnings
 
 _error: BaseException | None = None
+_attempted = False
 
 
 def device_name() -> str:
@@ -14,20 +27,30 @@ def device_name() -> str:
 
 def registration_error() -> BaseException | None:
     """The exception that kept the device backend from registering, or None."""
+    if not _attempted:
+        register()
     return _error
 
 
-def _register() -> None:
-    global _error
-    if os.environ.get("TORCHBRIDGE_NO_DEVICE") == "1":
+def register() -> None:
+    """Register the device and its c10d backend with PyTorch (idempotent, never raises)."""
+    global _error, _attempted
+    if _attempted:
         return
+    _attempted = True
     try:
         from torchbridge.device import backend
 
         backend.register(device_name())
+        from torchbridge import distributed
+
+        distributed.register()
     except Exception as e:  # noqa: BLE001 - keep the engine and router usable without the bridge
         _error = e
         warnings.warn(f"torchbridge: device backend '{device_name()}' did not register: {e}", stacklevel=2)
 
 
-_register()
+def autoload() -> None:
+    """The `torch.backends` entry point: called by `import torch`."""
+    if os.environ.get("TORCHBRIDGE_NO_DEVICE") != "1":
+        register()

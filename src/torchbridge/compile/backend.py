@@ -444,7 +444,7 @@ class _Executable:
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
-        self.jitted = jax.jit(raw)
+        self.jitted = jax.jit(raw, keep_unused=True)  # placed by its inputs' devices, used or not
         self._donating: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, *args: Any) -> Any:

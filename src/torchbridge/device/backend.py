@@ -30,11 +30,16 @@ def register(name: str = "tpu") -> None:
     torch.utils.rename_privateuse1_backend(name)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     torch._register_device_module(name, device_module.DeviceModule())
-    mod.install(_device_count())
+    # The JAX backend starts on first use (STATE.devices), not here: under torchrun JAX's distributed
+    # runtime has to start first. Until then the guard accepts any index up to its maximum.
+    mod.install(_PROVISIONAL_DEVICE_COUNT)
+    mod.set_python_hooks(device_module.synchronize, device_module.mem_get_info, device_module.empty_cache)
     _library = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback needs the wildcard library
     _library.fallback(mod.fast_call, dispatch_key="PrivateUse1")  # repeat calls in C++, the rest: ops.fallback
     _aten_library.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "PrivateUse1")
     ops.register_kernels()
+    # autocast on the device defaults to bfloat16, the dtype TPUs compute in (CUDA's default is float16)
+    torch.set_autocast_dtype(name, torch.bfloat16)
     dispatch.install_fast_path(ops.fallback)
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
@@ -72,6 +77,4 @@ def _enable_persistent_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _device_count() -> int:
-    # Counting devices initialises the JAX backend; do it once here so `tpu:N` checks are cheap later.
-    return len(STATE.devices) if os.environ.get("TORCHBRIDGE_LAZY_INIT") != "1" else 1
+_PROVISIONAL_DEVICE_COUNT = 64  # kMaxDevices in csrc/native.cpp

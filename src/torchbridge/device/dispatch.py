@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import torch
+from jax._src.array import ArrayImpl
 
 from torchbridge.device import donation, dtypes, fused, host_calls, native, storage, views
 from torchbridge.device.lowerings import registry
@@ -423,7 +424,9 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
         return tuple(bufs[s] for s in write_slots), tuple(new)
 
     compile_counter[str(op)] += 1
-    return _Program(jax.jit(program), tuple(write_slots), new_outputs, out_struct, lowering.random, raw=program)
+    # keep_unused: a program that overwrites a storage without reading it (fill_, normal_) must still run on
+    # that storage's device; JAX places a jitted call by its (kept) committed arguments.
+    return _Program(jax.jit(program, keep_unused=True), tuple(write_slots), new_outputs, out_struct, lowering.random, raw=program)
 
 
 def _shapes(v: Any) -> Any:
@@ -473,7 +476,7 @@ class _Fast(NamedTuple):
 
 
 _fast: dict[Any, _Fast] = {}
-_ARRAY = type(jnp.zeros(()))
+_ARRAY = ArrayImpl  # the concrete class of every jax.Array (the C++ fast path checks buffers by type)
 
 
 def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:

@@ -45,4 +45,4 @@ def donating_jit(raw: Any, positions: tuple[int, ...]) -> Any:
         di, oi = iter(donated), iter(others)
         return raw(tuple(next(di) if k in chosen else next(oi) for k in range(len(donated) + len(others))), *rest)
 
-    return jax.jit(split, donate_argnums=(0,))
+    return jax.jit(split, donate_argnums=(0,), keep_unused=True)

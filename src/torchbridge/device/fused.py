@@ -73,7 +73,7 @@ class _Recorder:
             key = (tuple((id(r[0]), r[1:]) for r in self.records), tuple(live))
             fn = self.cache.get(key)
             if fn is None:
-                fn = jax.jit(_compose(list(self.records), live))
+                fn = jax.jit(_compose(list(self.records), live), keep_unused=True)  # placed by its inputs
                 self.cache[key] = fn
             outs = fn(tuple(self.ext))
             self.last_outputs = outs

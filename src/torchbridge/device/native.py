@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = [Path(__file__).parent / "csrc" / "native.cpp", Path(__file__).parent / "csrc" / "host_calls.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("native.cpp", "host_calls.cpp", "autocast.cpp")]
 _module: ModuleType | None = None
 
 

@@ -162,6 +162,19 @@ def _item(op, args, kwargs):
     return np.asarray(value(t)).item()
 
 
+@direct(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async(op, args, kwargs):
+    # CUDA checks on the device and reports later; here the check reads the value at once (the result
+    # of everything queued before it), which is the same answer, sooner.
+    t = args[0]
+    if t.numel() != 1:
+        raise RuntimeError(f"{op}: expected a tensor with one element, got shape {tuple(t.shape)}")
+    if not np.asarray(value(t)).item():
+        msg = args[1] if len(args) > 1 else kwargs.get("assert_msg")
+        raise RuntimeError(msg or "Expected Tensor with single nonzero value, but got zero")
+    return None
+
+
 @direct(aten.equal.default)
 def _equal(op, args, kwargs):
     a, b = args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cached_property
 
 import jax
@@ -20,13 +21,27 @@ class _State:
         # these waits for everything queued before them.
         self.last_results: dict[int, object] = {}
 
+    # Run once, just before the JAX backend starts (the device registers without starting it): JAX's
+    # distributed runtime must be initialized before the backend, so torchbridge.distributed adds its
+    # start-up here (under torchrun every process joins it when it first touches the device).
+    before_backend: list[Callable[[], None]] = []
+
     @cached_property
     def platform(self) -> str:
+        for hook in self.before_backend:
+            hook()
         return os.environ.get("TORCHBRIDGE_PLATFORM") or jax.default_backend()
 
     @cached_property
     def devices(self) -> list[jax.Device]:
-        return jax.devices(self.platform)
+        """This process's chips: `tpu:N` is the N-th of them (under jax.distributed, each process sees
+        only its own chips, as torch.cuda does)."""
+        devices = jax.local_devices(backend=self.platform)
+        if self.registered:
+            from torchbridge.device import native
+
+            native.load().install(len(devices))  # the device guard's count, provisional until now
+        return devices
 
     def jax_device(self, index: int) -> jax.Device:
         try:

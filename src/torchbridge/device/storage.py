@@ -99,6 +99,10 @@ def zeros(count: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
     return buf
 
 
+def clear_zero_cache() -> None:
+    _zero_cache.clear()
+
+
 @jax.jit(static_argnums=(1,))
 def _resize_bytes_jit(buf: jax.Array, nbytes: int) -> jax.Array:
     return bitcast_flat(buf, jnp.uint8, nbytes)

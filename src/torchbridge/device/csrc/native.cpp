@@ -19,13 +19,16 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/strides.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -37,6 +40,28 @@ constexpr c10::DeviceType kDevice = c10::DeviceType::PrivateUse1;
 // ---- device index ---------------------------------------------------------------------------
 std::atomic<int> g_device_count{1};
 thread_local c10::DeviceIndex t_current_device = 0;
+
+// ---- streams and events ------------------------------------------------------------------------
+// A device has one queue: XLA orders its work by data dependence, so every stream is that queue under
+// another id and waiting on an event has nothing to do (TorchTPU does the same "to enable FSDP").
+// What must be real is synchronisation (a stream's, an event's, the device's): it calls the Python
+// side's synchronize(device index), which waits for everything dispatched to that device. An event
+// with timing (torch.Event(enable_timing=True)) synchronises when recorded and keeps the time.
+std::atomic<c10::StreamId> g_next_stream{1};
+thread_local std::unordered_map<int, c10::StreamId> t_current_stream;  // device index -> stream id
+PyObject* g_synchronize = nullptr;  // Python: synchronize(device index)
+
+void synchronize_device(c10::DeviceIndex index) {
+  if (g_synchronize == nullptr) return;
+  pybind11::gil_scoped_acquire gil;
+  pybind11::handle{g_synchronize}(static_cast<int>(index));
+}
+
+struct DeviceEvent {
+  c10::DeviceIndex device = 0;
+  bool timed = false;
+  std::chrono::steady_clock::time_point time{};
+};
 
 struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kDevice; }
@@ -55,10 +80,48 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     if (d.index() >= 0) t_current_device = d.index();
   }
   c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+    auto it = t_current_stream.find(d.index());
+    return c10::Stream(c10::Stream::UNSAFE, d, it == t_current_stream.end() ? 0 : it->second);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
-    return c10::Stream(c10::Stream::DEFAULT, s.device());
+    auto old = getStream(s.device());
+    t_current_stream[s.device_index()] = s.id();
+    return old;
+  }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    if (*event == nullptr) *event = new DeviceEvent();
+    auto* e = static_cast<DeviceEvent*>(*event);
+    e->device = device_index >= 0 ? device_index : stream.device_index();
+    if (flag == c10::EventFlag::BACKEND_DEFAULT) {  // timing asked for: when the work so far is done
+      synchronize_device(e->device);
+      e->timed = true;
+      e->time = std::chrono::steady_clock::now();
+    }
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<DeviceEvent*>(event);
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) synchronize_device(static_cast<DeviceEvent*>(event)->device);
+  }
+  void synchronizeStream(const c10::Stream& stream) const override { synchronize_device(stream.device_index()); }
+  void synchronizeDevice(const c10::DeviceIndex index) const override { synchronize_device(index); }
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    auto* a = static_cast<DeviceEvent*>(start);
+    auto* b = static_cast<DeviceEvent*>(end);
+    TORCH_CHECK(a != nullptr && b != nullptr && a->timed && b->timed,
+                "torchbridge: elapsed_time needs two events recorded with enable_timing=True");
+    return std::chrono::duration<double, std::milli>(b->time - a->time).count();
   }
   c10::DeviceIndex deviceCount() const noexcept override {
     return static_cast<c10::DeviceIndex>(g_device_count.load());
@@ -75,6 +138,10 @@ std::atomic<uint64_t> g_next_address{uint64_t(1) << 44};  // far from any real m
 constexpr int kMaxDevices = 64;
 std::atomic<int64_t> g_live_bytes[kMaxDevices];
 std::atomic<int64_t> g_peak_bytes[kMaxDevices];
+std::atomic<int64_t> g_live_count[kMaxDevices];
+std::atomic<int64_t> g_peak_count[kMaxDevices];
+std::atomic<int64_t> g_total_allocs[kMaxDevices];
+std::atomic<int64_t> g_total_bytes[kMaxDevices];
 
 void push_event(int kind, uint64_t a, uint64_t b, uint64_t c) {
   std::lock_guard<std::mutex> lock(g_events_mutex);
@@ -93,13 +160,26 @@ void fake_free(void* ptr) {
     auto it = g_sizes.find(addr);
     if (it != g_sizes.end()) {
       g_live_bytes[it->second.second] -= static_cast<int64_t>(it->second.first);
+      --g_live_count[it->second.second];
       g_sizes.erase(it);
     }
   }
   push_event(0, addr, 0, 0);
 }
 
-struct FakeAllocator final : c10::Allocator {
+PyObject* g_memory_info = nullptr;  // Python: memory_info(device index) -> (free, total)
+PyObject* g_empty_cache = nullptr;  // Python: empty_cache()
+
+void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load();
+  while (value > seen && !peak.compare_exchange_weak(seen, value)) {
+  }
+}
+
+// A DeviceAllocator (not a plain Allocator) so that torch.accelerator's memory functions reach it.
+// The bytes counted are storages' sizes: what PyTorch's memory_allocated means. XLA's own buffers
+// (intermediates, the compile cache) are the platform's to report (torch.<device>.memory_stats).
+struct FakeAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     // Unique, never reused, 64-byte aligned; a zero-byte storage still gets its own address so
     // that every storage has a distinct key in the buffer table.
@@ -110,16 +190,58 @@ struct FakeAllocator final : c10::Allocator {
       std::lock_guard<std::mutex> lock(g_sizes_mutex);
       g_sizes[addr] = {nbytes, dev};
     }
-    int64_t live = (g_live_bytes[dev] += static_cast<int64_t>(nbytes));
-    int64_t peak = g_peak_bytes[dev].load();
-    while (live > peak && !g_peak_bytes[dev].compare_exchange_weak(peak, live)) {
-    }
+    raise_peak(g_peak_bytes[dev], g_live_bytes[dev] += static_cast<int64_t>(nbytes));
+    raise_peak(g_peak_count[dev], ++g_live_count[dev]);
+    ++g_total_allocs[dev];
+    g_total_bytes[dev] += static_cast<int64_t>(nbytes);
     void* p = reinterpret_cast<void*>(addr);
     return {p, p, &fake_free, c10::Device(kDevice, t_current_device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &fake_free; }
   void copy_data(void*, const void*, std::size_t) const override {
     TORCH_CHECK(false, "torchbridge: device memory is not host-addressable; copy through the buffer table");
+  }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {
+    if (g_empty_cache == nullptr) return;
+    pybind11::gil_scoped_acquire gil;
+    pybind11::handle{g_empty_cache}();
+  }
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    auto fill = [](c10::CachingDeviceAllocator::StatArray& a, int64_t current, int64_t peak, int64_t total) {
+      auto& s = a[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)];
+      s.current = current;
+      s.peak = peak;
+      s.allocated = total;
+      s.freed = total - current;
+    };
+    int d = device < 0 ? t_current_device : device;
+    int64_t bytes = g_live_bytes[d], peak = g_peak_bytes[d], total = g_total_bytes[d];
+    fill(stats.allocation, g_live_count[d], g_peak_count[d], g_total_allocs[d]);
+    fill(stats.active, g_live_count[d], g_peak_count[d], g_total_allocs[d]);
+    for (auto* a : {&stats.allocated_bytes, &stats.active_bytes, &stats.requested_bytes, &stats.reserved_bytes}) {
+      fill(*a, bytes, peak, total);
+    }
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    int d = device < 0 ? t_current_device : device;
+    g_total_allocs[d] = g_live_count[d].load();
+    g_total_bytes[d] = g_live_bytes[d].load();
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    int d = device < 0 ? t_current_device : device;
+    g_peak_bytes[d] = g_live_bytes[d].load();
+    g_peak_count[d] = g_live_count[d].load();
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    TORCH_CHECK(g_memory_info != nullptr, "torchbridge: the device backend is not set up");
+    pybind11::gil_scoped_acquire gil;
+    auto info = pybind11::handle{g_memory_info}(static_cast<int>(device < 0 ? t_current_device : device));
+    auto pair = info.cast<std::pair<size_t, size_t>>();
+    return pair;
   }
 };
 
@@ -758,7 +880,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("drain_events", &drain_events, "queued (kind, a, b, nbytes) storage events, oldest first");
   m.def("live_bytes", [](int d) { return g_live_bytes[d].load(); });
   m.def("peak_bytes", [](int d) { return g_peak_bytes[d].load(); });
-  m.def("reset_peak_bytes", [](int d) { g_peak_bytes[d] = g_live_bytes[d].load(); });
+  m.def("reset_peak_bytes", [](int d) { g_allocator.resetPeakStats(static_cast<c10::DeviceIndex>(d)); });
+  m.def(
+      "set_python_hooks",
+      [](pybind11::object synchronize, pybind11::object memory_info, pybind11::object empty_cache) {
+        g_synchronize = synchronize.release().ptr();
+        g_memory_info = memory_info.release().ptr();
+        g_empty_cache = empty_cache.release().ptr();
+      },
+      "synchronize(device), memory_info(device) -> (free, total), empty_cache(): what streams, events and "
+      "torch.accelerator's memory functions call");
   m.def("describe", &describe, "per-tensor layout tuples for the eager cache key");
   m.def("signature", &sig::signature, "the eager fast path's cache key for one call, or None");
   m.def(

@@ -1,0 +1,69 @@
+"""A device tensor's values as one flat JAX array, and back: for code that works on buffers outside
+the op dispatcher (collectives, custom kernels).
+
+A tensor that covers its whole storage contiguously (a DDP bucket, a freshly allocated gradient,
+most FSDP shards) is its storage's buffer: reading it and writing it are table lookups, with no
+program run. Any other view is gathered out of / scattered into its storage by a small cached program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+
+from torchbridge.device import dtypes, views
+from torchbridge.device.state import STATE
+
+_readers: dict[Any, Any] = {}
+_writers: dict[Any, Any] = {}
+
+
+def _parts(t: torch.Tensor) -> tuple[int, jax.Array, Any, views.ViewSpec, int]:
+    STATE.table.drain()
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    jdt = dtypes.to_jax(t.dtype)
+    buf = STATE.table.get_or_zeros(key, storage.nbytes(), jdt, jax_device(t))
+    spec = views.ViewSpec(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return key, buf, jdt, spec, storage.nbytes() // jdt.itemsize
+
+
+def jax_device(t: torch.Tensor) -> jax.Device:
+    return STATE.jax_device(t.device.index or 0)
+
+
+def _whole(t: torch.Tensor, buf: jax.Array, jdt: Any, count: int) -> bool:
+    return buf.dtype == jdt and t.numel() == count and t.storage_offset() == 0 and t.is_contiguous()
+
+
+def flat_value(t: torch.Tensor) -> jax.Array:
+    """`t`'s values, row-major, as a 1-d array on its device (t's dtype)."""
+    _, buf, jdt, spec, count = _parts(t)
+    if _whole(t, buf, jdt, count):
+        return buf
+    rk = (spec, buf.shape, buf.dtype, jdt, count)
+    reader = _readers.get(rk)
+    if reader is None:
+        reader = _readers[rk] = jax.jit(lambda b: views.read(views.bitcast_flat(b, jdt, count), spec).reshape(-1))
+    return reader(buf)
+
+
+def write_flat(t: torch.Tensor, values: jax.Array) -> None:
+    """Write `values` (1-d, t's numel and dtype, on t's device) into `t`, visible through every view."""
+    key, buf, jdt, spec, count = _parts(t)
+    if values.dtype != jdt or values.shape != (t.numel(),):
+        raise ValueError(f"torchbridge: writing {values.shape} {values.dtype} into a {tuple(t.shape)} {t.dtype} tensor")
+    if _whole(t, buf, jdt, count):
+        STATE.table.set(key, values)
+        return
+    wk = (spec, buf.shape, buf.dtype, jdt, count)
+    writer = _writers.get(wk)
+    if writer is None:
+        def write(b: jax.Array, v: jax.Array) -> jax.Array:
+            flat = views.bitcast_flat(b, jdt, count)
+            return views.bitcast_flat(views.write(flat, spec, v.reshape(spec.shape)), b.dtype, b.shape[0])
+
+        writer = _writers[wk] = jax.jit(write)
+    STATE.table.set(key, writer(buf, values))

@@ -1,0 +1,159 @@
+"""Collectives as XLA collectives: each one a cached, jitted `shard_map` program over a group's mesh.
+
+Every rank hands in its local block (a flat 1-d array on its chip); the block becomes its shard of a
+global array sharded over the mesh axis, one program runs on every rank's chip (psum, all_gather,
+psum_scatter, all_to_all, ppermute), and each rank takes its own shard of the result. On TPU the
+program's collectives run over ICI; on JAX's CPU platform over its gloo transport. Programs are keyed
+by the mesh, the block's shape and dtype, and the static arguments, so a training loop compiles each
+collective once.
+
+Reductions JAX has (sum, max, min) are one psum/pmax/pmin; the rest (product, bitwise) all-gather and
+reduce locally. Broadcast and scatter move bits, never add them (a float -0.0 or NaN payload arrives
+unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from torchbridge.distributed.mesh import AXIS
+
+REDUCE_OPS = ("sum", "avg", "premul_sum", "max", "min", "product", "band", "bor", "bxor")
+_programs: dict[Any, Any] = {}
+
+
+def _key(mesh: Mesh) -> tuple[int, ...]:
+    return tuple(d.id for d in mesh.devices.flat)
+
+
+def _run(name: str, mesh: Mesh, x: jax.Array, body: Callable[[jax.Array], jax.Array], replicated: bool,
+         *static: Any) -> jax.Array:
+    """body(local block) -> local result, run as one program over `mesh`; `replicated`: the result is
+    the same on every rank (out spec P()), else each rank's own block."""
+    k = (name, _key(mesh), x.shape, x.dtype, static)
+    fn = _programs.get(k)
+    if fn is None:
+        fn = _programs[k] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
+                                                  out_specs=P() if replicated else P(AXIS), check_vma=False))
+    size = mesh.devices.size
+    glob = jax.make_array_from_single_device_arrays((size * x.shape[0], *x.shape[1:]),
+                                                    NamedSharding(mesh, P(AXIS)), [x])
+    return fn(glob).addressable_data(0)
+
+
+def _reduce_stacked(stacked: jax.Array, op: str) -> jax.Array:
+    """Reduce a (group size, n) stack of every rank's block over ranks."""
+    if op == "product":
+        return jnp.prod(stacked, axis=0, dtype=stacked.dtype)
+    if op in ("band", "bor", "bxor"):
+        fn = {"band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor}[op]
+        out = stacked[0]
+        for i in range(1, stacked.shape[0]):
+            out = fn(out, stacked[i])
+        return out
+    if op in ("sum", "max") and stacked.dtype == jnp.bool_:
+        return jnp.any(stacked, axis=0)
+    if op == "min" and stacked.dtype == jnp.bool_:
+        return jnp.all(stacked, axis=0)
+    return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](stacked, axis=0).astype(stacked.dtype)
+
+
+def _check_op(op: str, dtype: Any) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"torchbridge: unsupported reduce op {op!r}")
+    if op in ("band", "bor", "bxor") and not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        raise TypeError(f"torchbridge: ReduceOp.{op.upper()} needs an integer or bool tensor, not {dtype}")
+    if op in ("avg", "premul_sum") and not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(f"torchbridge: ReduceOp.{op.upper()} needs a floating-point tensor, not {dtype}")
+
+
+def _local_reduce(x: jax.Array, op: str, factor: float | None, size: int) -> jax.Array:
+    """The reduction of every rank's `x` over the group (traced inside shard_map)."""
+    if op == "premul_sum":
+        x = x * jnp.asarray(factor, x.dtype)
+    if x.dtype != jnp.bool_ and op in ("sum", "avg", "premul_sum"):
+        out = lax.psum(x, AXIS)
+        return out / jnp.asarray(size, x.dtype) if op == "avg" else out
+    if x.dtype != jnp.bool_ and op in ("max", "min"):
+        return (lax.pmax if op == "max" else lax.pmin)(x, AXIS)
+    return _reduce_stacked(lax.all_gather(x, AXIS), op)
+
+
+def all_reduce(mesh: Mesh, x: jax.Array, op: str, factor: float | None = None) -> jax.Array:
+    _check_op(op, x.dtype)
+    size = mesh.devices.size
+    return _run("all_reduce", mesh, x, lambda b: _local_reduce(b, op, factor, size), True, op, factor)
+
+
+def reduce_scatter(mesh: Mesh, x: jax.Array, op: str, factor: float | None = None) -> jax.Array:
+    """x: this rank's (size * m,) input; returns the reduction of every rank's m-block number `rank`."""
+    _check_op(op, x.dtype)
+    size = mesh.devices.size
+
+    def body(b: jax.Array) -> jax.Array:
+        if op == "premul_sum":
+            b = b * jnp.asarray(factor, b.dtype)
+        if b.dtype != jnp.bool_ and op in ("sum", "avg", "premul_sum"):
+            out = lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
+            return out / jnp.asarray(size, b.dtype) if op == "avg" else out
+        # every rank's block for me, stacked, then reduced here
+        mine = lax.all_to_all(b.reshape(size, -1), AXIS, split_axis=0, concat_axis=0, tiled=False)
+        return _reduce_stacked(mine.reshape(size, -1), "sum" if op == "premul_sum" else op)
+
+    return _run("reduce_scatter", mesh, x, body, False, op, factor)
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")) if x.dtype.itemsize <= 8 else x
+
+
+def _from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    if dtype == jnp.bool_:
+        return x.astype(jnp.bool_)
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def broadcast(mesh: Mesh, x: jax.Array, root: int) -> jax.Array:
+    """Every rank gets `root`'s x: a sum of the root's bits and zeros from everyone else."""
+    dtype = x.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pair = lax.bitcast_convert_type(x, jnp.float32 if dtype == jnp.complex64 else jnp.float64).reshape(-1)
+        out = broadcast(mesh, pair, root)
+        return lax.bitcast_convert_type(out.reshape(-1, 2), dtype)
+
+    def body(b: jax.Array) -> jax.Array:
+        bits = _as_bits(b)
+        mine = lax.axis_index(AXIS) == root
+        return _from_bits(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), AXIS), dtype)
+
+    return _run("broadcast", mesh, x, body, True, root)
+
+
+def all_gather(mesh: Mesh, x: jax.Array) -> jax.Array:
+    """(n,) per rank -> (size * n,): every rank's block in rank order."""
+    return _run("all_gather", mesh, x, lambda b: lax.all_gather(b, AXIS, axis=0, tiled=True), True)
+
+
+def all_to_all(mesh: Mesh, x: jax.Array) -> jax.Array:
+    """(size * m,) per rank: block j goes to rank j; returns (size * m,): block i came from rank i."""
+    size = mesh.devices.size
+    return _run("all_to_all", mesh, x,
+                lambda b: lax.all_to_all(b.reshape(size, -1), AXIS, 0, 0, tiled=False).reshape(-1), False)
+
+
+def permute(mesh: Mesh, x: jax.Array, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
+    """Mesh position s sends its x to position d for each (s, d); positions that receive nothing get zeros."""
+    return _run("permute", mesh, x, lambda b: lax.ppermute(b, AXIS, pairs), False, pairs)
+
+
+def cache_size() -> int:
+    return len(_programs)

@@ -1,0 +1,58 @@
+"""Which chip each rank of a process group computes on, and the JAX mesh of a group.
+
+A rank's chip is the device of the tensors it hands to its first collective (`tpu:LOCAL_RANK` under
+torchrun, whatever `set_device` chose). Ranks tell each other through the group's c10d store: each
+publishes the JAX device id of its chip under its group rank and reads the others' when it needs
+them (all of them for a collective, one peer for send/recv), so nothing assumes a device numbering.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXIS = "r"  # the mesh axis of a group: position = group rank
+
+
+class GroupDevices:
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self.mine: jax.Device | None = None
+        self._ids: dict[int, int] = {}
+        self._meshes: dict[tuple[int, ...], Mesh] = {}
+
+    def claim(self, device: jax.Device) -> None:
+        """This rank computes on `device` in this group (fixed by its first device collective)."""
+        if self.mine is None:
+            self.mine = device
+            self._ids[self.rank] = device.id
+            self.store.set(f"torchbridge/device/{self.rank}", str(device.id))
+        elif device != self.mine:
+            raise RuntimeError(
+                f"torchbridge: rank {self.rank} of this process group computes on {_name(self.mine)} (the device of "
+                f"its first collective), but this collective's tensors are on {_name(device)}; use one device per "
+                "rank per group (torch.<device>.set_device(LOCAL_RANK) before creating tensors)")
+
+    def device_id(self, rank: int) -> int:
+        if rank not in self._ids:
+            self._ids[rank] = int(self.store.get(f"torchbridge/device/{rank}"))
+        return self._ids[rank]
+
+    def mesh(self, ranks: tuple[int, ...] | None = None) -> Mesh:
+        """The 1-d mesh of `ranks` (default: the whole group), in that order, on axis AXIS."""
+        ranks = tuple(range(self.size)) if ranks is None else ranks
+        mesh = self._meshes.get(ranks)
+        if mesh is None:
+            by_id = {d.id: d for d in jax.devices(self.mine.platform)}
+            mesh = self._meshes[ranks] = Mesh(np.array([by_id[self.device_id(r)] for r in ranks]), (AXIS,))
+        return mesh
+
+
+def _name(device: jax.Device) -> str:
+    from torchbridge.device.state import STATE
+
+    local = STATE.devices
+    return f"{STATE.name}:{local.index(device)}" if device in local else str(device)
