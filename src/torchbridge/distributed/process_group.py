@@ -70,6 +70,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         self._gloo = C10D.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._group_ranks = group_ranks
         self._name = ""
+        self._p2p: list[tuple[int, int, torch.Tensor]] = []
 
     # ---- identity ------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
@@ -87,6 +88,8 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     # ---- helpers -------------------------------------------------------------------------------
     def _mesh(self, tensors: list[torch.Tensor]) -> Any:
+        if self._p2p:  # transfers queued before this collective go first, in program order
+            self._flush_p2p()
         devices = {buffers.jax_device(t) for t in tensors}
         if len(devices) != 1:
             raise ValueError("torchbridge: a collective's device tensors must all be on one device")
@@ -128,7 +131,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         return _done(tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        if not _on_device(inputs):
+        if not _on_device(inputs + [t for outs in output_lists for t in outs]):
             return self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
         mesh = self._mesh(inputs)
         for outs, t in zip(output_lists, inputs, strict=True):
@@ -159,7 +162,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
-        if not _on_device(outputs):
+        if not _on_device(outputs + [t for ins in input_lists for t in ins]):
             return self._gloo.reduce_scatter(outputs, input_lists, opts)
         op, factor = _op(opts.reduceOp)
         mesh = self._mesh(outputs)
@@ -227,7 +230,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        if not _on_device(inputs):
+        if not _on_device(inputs + outputs):
             return self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions())
         mesh = self._mesh(inputs)
         numels = {t.numel() for t in inputs} | {t.numel() for t in outputs}
@@ -246,7 +249,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
-        if not _on_device(outputs):
+        if not _on_device(outputs + [t for ins in input_lists for t in ins]):
             return self._gloo.scatter(outputs, input_lists, opts)
         mesh = self._mesh(outputs)
         out = outputs[0]
@@ -262,7 +265,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
-        if not _on_device(inputs):
+        if not _on_device(inputs + [t for outs in output_lists for t in outs]):
             return self._gloo.gather(output_lists, inputs, opts)
         mesh = self._mesh(inputs)
         t = inputs[0]
@@ -274,18 +277,21 @@ class DeviceProcessGroup(dist.ProcessGroup):
                 buffers.write_flat(o, gathered[i * n:(i + 1) * n])
         return _done(output_lists[0] if output_lists else [])
 
-    # ---- point to point ------------------------------------------------------------------------
+    # ---- point to point ----------------------------------------------------------------------
+    # A transfer is a program both ends run (a ppermute over their two chips), and a chip runs its
+    # collective programs in the order they were dispatched. isend/irecv are therefore queued and
+    # dispatched when one of their Works is waited on (or before the group's next collective), in one
+    # order every rank agrees on: by the (lower, higher) rank pair. Then the globally first pending
+    # transfer always has both ends ready, so a ring of isend/irecv cannot deadlock.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         if not _on_device(tensors):
             return self._gloo.send(tensors, dst, tag)
-        self._p2p(tensors, self.rank(), dst)
-        return _done(tensors)
+        return self._queue_p2p(tensors, self.rank(), dst)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         if not _on_device(tensors):
             return self._gloo.recv(tensors, src, tag)
-        self._p2p(tensors, src, self.rank())
-        return _done(tensors)
+        return self._queue_p2p(tensors, src, self.rank())
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         if not _on_device(tensors):
@@ -293,18 +299,32 @@ class DeviceProcessGroup(dist.ProcessGroup):
         raise RuntimeError("torchbridge: recv without a source rank is not supported on the device (XLA's "
                            "point-to-point transfers pair both ends statically); pass src=")
 
-    def _p2p(self, tensors: list[torch.Tensor], src: int, dst: int) -> None:
+    def _queue_p2p(self, tensors: list[torch.Tensor], src: int, dst: int) -> Any:
         if src == dst:
             raise ValueError(f"torchbridge: rank {src} cannot send to itself")
         self._devices.claim(buffers.jax_device(tensors[0]))
-        mesh = self._devices.mesh((src, dst))
-        for t in tensors:
-            got = collectives.permute(mesh, buffers.flat_value(t), ((0, 1),))
+        self._p2p.extend((src, dst, t) for t in tensors)
+        return C10D.PythonCallbackWork(lambda timeout: self._flush_p2p() or True)
+
+    def _flush_p2p(self) -> None:
+        pending, self._p2p = self._p2p, []
+        for src, dst, t in sorted(pending, key=lambda p: (min(p[0], p[1]), max(p[0], p[1]), p[0])):
+            got = collectives.permute(self._devices.mesh((src, dst)), buffers.flat_value(t), ((0, 1),))
             if self.rank() == dst:
                 buffers.write_flat(t, got)
 
+    # c10d's coalescing manager with a device (batch_isend_irecv on NCCL-style backends) brackets
+    # the ops with these; queued transfers go out at the end, collectives run as they come.
+    def _start_coalescing(self, device: torch.device) -> None:
+        self._flush_p2p()
+
+    def _end_coalescing(self, device: torch.device) -> Any:
+        self._flush_p2p()
+        return _done([])
+
     # ---- synchronisation -----------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
+        self._flush_p2p()
         return self._gloo.barrier(opts or dist.BarrierOptions())
 
     def _check_list(self, tensors: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
