@@ -33,7 +33,9 @@ def torchrun(worker: str, nproc: int, port: int, out: Path, args: list[str] | No
            f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
            f"--master-port={port}", "--max-restarts=0", str(WORKERS / worker), str(out), *(args or [])]
     full_env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={nproc}",
-                "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
+                "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+                # every program goes to the persistent XLA cache: ranks and later jobs reuse what one compiled
+                "TORCHBRIDGE_COMPILE_CACHE_MIN_SECS": "0", **(env or {})}
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -22,7 +22,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.node import map_arg
 
-from torchbridge.compile import patterns
+from torchbridge.compile import patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
@@ -67,6 +67,14 @@ class GraphProgram:
         self._constants = {
             n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"
         }
+        # process groups whose collectives the graph calls: it then runs as one program on all their ranks
+        self.groups = _collective_groups(self.nodes)
+        self._axes: dict[str, Any] = {}
+        if self.groups:
+            compile_counter["collective_graphs"] += 1
+            compile_counter["collectives"] += sum(1 for n in self.nodes if n.op == "call_function" and isinstance(
+                n.target, torch._ops.OpOverload) and n.target.namespace == spmd.COLLECTIVE_NAMESPACE and
+                n.target._schema.name != f"{spmd.COLLECTIVE_NAMESPACE}::wait_tensor")
 
     # -- call ------------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -93,22 +101,31 @@ class GraphProgram:
         consts = []
         for t in self._constants.values():
             consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
-        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.switches())
+        device = device or torch.device(STATE.name, STATE.current_device)
+        plan = spmd.plan(self.groups, STATE.jax_device(device.index or 0)) if self.groups else None
+        key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.switches(),
+               plan.key() if plan else None)
         entry = self._programs.get(key)
         if entry is None:
             if self._programs:
                 log.warning("torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
-            entry = self._build(descs)
+            entry = self._build(descs, [c.shape for c in consts], plan)
             self._programs[key] = entry
             compile_counter[self.name] += 1
         self._last_key = key
         fn, out_meta = entry
-        device = device or torch.device(STATE.name, STATE.current_device)
         rng = STATE.next_rng(device.index or 0) if self.random else None
+        if plan is not None:  # every input becomes this rank's shard of a mesh-wide array
+            glob = plan.to_global
+            bufs = [glob(b) for b in bufs]
+            hosts, consts = [glob(h) for h in hosts], [glob(c) for c in consts]
+            rng = None if rng is None else glob(np.array(rng, dtype=np.uint64))
         if self.writes:
-            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0)
+            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
             flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        if plan is not None:
+            flat_out = jax.tree.map(spmd.local, flat_out)
         STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
         results: list[Any] = [None] * len(out_meta)
         it = iter(flat_out)
@@ -140,7 +157,8 @@ class GraphProgram:
         once = [k for k in picks if ids.count(ids[k]) == 1]
         return tuple(sorted(donation.sole_holders(bufs, once, dev)))
 
-    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any, dev: int) -> Any:
+    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any, dev: int,
+                      plan: spmd.Plan | None) -> Any:
         """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
         mutations as trailing `copy_` nodes (the optimizer step writing parameters and state), so
         the new values come out of this one executable and go straight into the buffer table,
@@ -148,7 +166,7 @@ class GraphProgram:
         on XLA:CPU: it copies a donated buffer whose update reads it through a reshape, and it
         recomputes Adam's new moments inside the parameter update, so their old buffers must live.)"""
         slot = _device_slots(args)
-        donate = self._donatable(bufs, slot, dev)
+        donate = self._donatable(bufs, slot, dev) if plan is None else ()
         if donate:
             compile_counter["donated_calls"] += 1
             donated = tuple(bufs[k] for k in donate)
@@ -157,6 +175,10 @@ class GraphProgram:
             new_dev, outs, new_host = fn.donating(donate)(donated, others, tuple(hosts), tuple(consts), rng)
         else:
             new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+        if plan is not None:
+            new_dev, outs, new_host = jax.tree.map(spmd.local, (new_dev, outs, new_host))
+            new_host = tuple(h.reshape(np.shape(args[i])) for i, h in zip((i for i in self.writes if i not in slot),
+                                                                            new_host, strict=True))
         for i, new in zip((i for i in self.writes if i in slot), new_dev, strict=True):
             STATE.table.set(args[i].untyped_storage().data_ptr(), new)
         for i, new in zip((i for i in self.writes if i not in slot), new_host, strict=True):
@@ -165,7 +187,7 @@ class GraphProgram:
         return outs
 
     # -- trace -----------------------------------------------------------------------------------
-    def _build(self, descs: list) -> tuple[Any, list]:
+    def _build(self, descs: list, const_shapes: list, plan: spmd.Plan | None = None) -> tuple[Any, list]:
         out_vals = self.output_node.args[0]
         out_meta: list[Any] = []
         for v in out_vals:
@@ -237,7 +259,25 @@ class GraphProgram:
                     new_host.append(views.cast(val, dtypes.to_jax(d[2])))
             return tuple(new_dev), tuple(outs), tuple(new_host)
 
-        return _Executable(program), out_meta
+        if plan is None:
+            return _Executable(program), out_meta
+        self._axes = {**plan.axes, "_sizes": plan.sizes}
+        host_shapes = [d[1] for d in descs if d[0] == "h"]
+
+        def unflatten(args: tuple) -> tuple:
+            # inputs that to_global gave a leading axis (0-d ones) get their own shape back
+            bufs, hosts, consts, rng = args
+            hosts = tuple(h.reshape(s) for h, s in zip(hosts, host_shapes, strict=True))
+            consts = tuple(c.reshape(s) for c, s in zip(consts, const_shapes, strict=True))
+            return bufs, hosts, consts, None if rng is None else (rng[0], rng[1])
+
+        def leading(x: Any) -> Any:
+            return x.reshape(1) if x.ndim == 0 else x
+
+        def spmd_program(bufs, hosts, consts, rng):
+            return jax.tree.map(leading, program(*unflatten((bufs, hosts, consts, rng))))
+
+        return _Executable(plan.wrap(spmd_program)), out_meta
 
     def _run_node(self, node: torch.fx.Node, env: dict, key: Any, untransposed: dict) -> Any:
         target = node.target
@@ -259,15 +299,16 @@ class GraphProgram:
                 f"torchbridge.compile: operator '{target}' has no lowering for the '{STATE.name}' device"
             )
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-        res = _traced(node, lowering.fn, args, kwargs, key)
+        res = _traced(node, lowering.fn, args, kwargs, key, self._axes)
         return _cast_like(res[0] if lowering.mutates else res, node.meta.get("val"))
 
 
-def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None) -> Any:
+def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None) -> Any:
     """fn(*args, **kwargs) traced with `node`'s output shapes and dtypes (what lowerings may ask)."""
     leaves = _tensor_leaves(node.meta.get("val"))
     ctx = registry.TraceContext(
-        out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key
+        out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key,
+        axes=axes or {},
     )
     with registry.tracing(ctx):
         return fn(*args, **kwargs)
@@ -463,6 +504,22 @@ def _device_slots(args: tuple) -> dict[int, int]:
     return {i: k for k, i in enumerate(idx)}
 
 
+def _collective_groups(nodes: list[torch.fx.Node]) -> tuple[str, ...]:
+    """The process group names of the graph's functional collectives, in first-use order."""
+    names: list[str] = []
+    for n in nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+                n.target.namespace == spmd.COLLECTIVE_NAMESPACE:
+            schema = [a.name for a in n.target._schema.arguments]
+            if "group_name" in schema:
+                i = schema.index("group_name")
+                name = n.kwargs.get("group_name", n.args[i] if i < len(n.args) else None)
+                name = name if isinstance(name, str) else getattr(name, "group_name", None)
+                if isinstance(name, str) and name not in names:
+                    names.append(name)
+    return tuple(names)
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -574,7 +631,7 @@ def register(name: str) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    counters = ("recompiles", "donated_calls", "patterns")
+    counters = ("recompiles", "donated_calls", "patterns", "collective_graphs", "collectives")
     graphs = {k: v for k, v in compile_counter.items() if k not in counters}
     return {"graphs_compiled": sum(graphs.values()), **{k: compile_counter[k] for k in counters}, "by_graph": graphs}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import torch
@@ -38,6 +39,7 @@ def register(name: str = "tpu") -> None:
     _library.fallback(mod.fast_call, dispatch_key="PrivateUse1")  # repeat calls in C++, the rest: ops.fallback
     _aten_library.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "PrivateUse1")
     ops.register_kernels()
+    skip_dynamo(ops.fallback)
     # autocast on the device defaults to bfloat16, the dtype TPUs compute in (CUDA's default is float16)
     torch.set_autocast_dtype(name, torch.bfloat16)
     dispatch.install_fast_path(ops.fallback)
@@ -57,6 +59,17 @@ def _shallow_copy_compatible(self: torch.Tensor, other: torch.Tensor) -> bool:
         return t.layout == torch.strided and t.device.type in ("cpu", STATE.name)
 
     return dense(self) and dense(other)
+
+
+def skip_dynamo(*fns: Any) -> None:
+    """Dynamo must never trace the device's own Python: it runs when PyTorch calls a device kernel,
+    also from C++ in the middle of a compiled region's eager part (DDP's reducer copying buckets),
+    where Dynamo's frame hook is live and would trace `fn` with fake tensors. Mark each function's
+    code (and every frame it calls) to run as plain Python."""
+    eval_frame = torch._C._dynamo.eval_frame
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for fn in fns:
+        eval_frame.set_code_exec_strategy(fn.__code__, skip)
 
 
 def _enable_persistent_cache() -> None:

@@ -8,6 +8,8 @@ tensors), and `init_device_mesh("tpu", ...)`, DDP, FSDP2 and DTensor work as the
   mesh.py           which chip each rank of a group computes on; the group's JAX mesh
   collectives.py    each collective a cached jitted shard_map program (psum, all_gather, ...)
   process_group.py  the c10d ProcessGroup: torch's collective API -> collectives.py
+  lowerings.py      PyTorch's functional collectives inside compiled graphs (XLA collectives)
+  spmd.py           the mesh a compiled graph with collectives runs on (one axis per process group)
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def register() -> None:
 
     if not dist.is_available():
         return
+    from torchbridge.compile import spmd as compile_spmd
+    from torchbridge.distributed import lowerings, spmd  # noqa: F401 - lowerings register themselves
     from torchbridge.distributed.process_group import create
 
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", STATE.name])
     STATE.before_backend.append(runtime.on_backend_start)
+    compile_spmd.set_planner(spmd.plan)
     _registered = True

@@ -74,40 +74,65 @@ def _check_op(op: str, dtype: Any) -> None:
         raise TypeError(f"torchbridge: ReduceOp.{op.upper()} needs a floating-point tensor, not {dtype}")
 
 
-def _local_reduce(x: jax.Array, op: str, factor: float | None, size: int) -> jax.Array:
-    """The reduction of every rank's `x` over the group (traced inside shard_map)."""
+# ---- bodies: traced inside a shard_map over `axis` (of `size` ranks); the compile backend's lowerings
+# of PyTorch's functional collectives call these too, inside a whole graph's program ----------------
+def reduce_body(x: jax.Array, op: str, factor: float | None, axis: Any, size: int) -> jax.Array:
+    """The reduction of every rank's `x` over the group."""
+    _check_op(op, x.dtype)
     if op == "premul_sum":
         x = x * jnp.asarray(factor, x.dtype)
     if x.dtype != jnp.bool_ and op in ("sum", "avg", "premul_sum"):
-        out = lax.psum(x, AXIS)
+        out = lax.psum(x, axis)
         return out / jnp.asarray(size, x.dtype) if op == "avg" else out
     if x.dtype != jnp.bool_ and op in ("max", "min"):
-        return (lax.pmax if op == "max" else lax.pmin)(x, AXIS)
-    return _reduce_stacked(lax.all_gather(x, AXIS), op)
+        return (lax.pmax if op == "max" else lax.pmin)(x, axis)
+    return _reduce_stacked(lax.all_gather(x, axis), op)
 
 
+def reduce_scatter_body(x: jax.Array, op: str, factor: float | None, axis: Any, size: int) -> jax.Array:
+    """x: (size * m, ...) per rank; the reduction over ranks of block number `rank` (m, ...)."""
+    _check_op(op, x.dtype)
+    if op == "premul_sum":
+        x = x * jnp.asarray(factor, x.dtype)
+    if x.dtype != jnp.bool_ and op in ("sum", "avg", "premul_sum"):
+        out = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+        return out / jnp.asarray(size, x.dtype) if op == "avg" else out
+    # every rank's block for me, stacked, then reduced here
+    mine = lax.all_to_all(x.reshape(size, -1), axis, split_axis=0, concat_axis=0, tiled=False)
+    out = _reduce_stacked(mine.reshape(size, -1), "sum" if op == "premul_sum" else op)
+    return out.reshape((x.shape[0] // size, *x.shape[1:]))
+
+
+def broadcast_body(x: jax.Array, root: int, axis: Any) -> jax.Array:
+    """Every rank gets `root`'s x: a sum of the root's bits and zeros from everyone else."""
+    dtype = x.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pair = lax.bitcast_convert_type(x, jnp.float32 if dtype == jnp.complex64 else jnp.float64)
+        return lax.bitcast_convert_type(broadcast_body(pair, root, axis), dtype)
+    bits = _as_bits(x)
+    mine = lax.axis_index(axis) == root
+    return _from_bits(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), axis), dtype)
+
+
+def all_to_all_body(x: jax.Array, axis: Any, size: int) -> jax.Array:
+    """(size * m, ...) per rank: block j goes to rank j; returns block i from rank i, in rank order."""
+    out = lax.all_to_all(x.reshape(size, -1), axis, 0, 0, tiled=False)
+    return out.reshape(x.shape)
+
+
+# ---- eager: one program per collective over a group's 1-d mesh --------------------------------------
 def all_reduce(mesh: Mesh, x: jax.Array, op: str, factor: float | None = None) -> jax.Array:
     _check_op(op, x.dtype)
     size = mesh.devices.size
-    return _run("all_reduce", mesh, x, lambda b: _local_reduce(b, op, factor, size), True, op, factor)
+    return _run("all_reduce", mesh, x, lambda b: reduce_body(b, op, factor, AXIS, size), True, op, factor)
 
 
 def reduce_scatter(mesh: Mesh, x: jax.Array, op: str, factor: float | None = None) -> jax.Array:
     """x: this rank's (size * m,) input; returns the reduction of every rank's m-block number `rank`."""
     _check_op(op, x.dtype)
     size = mesh.devices.size
-
-    def body(b: jax.Array) -> jax.Array:
-        if op == "premul_sum":
-            b = b * jnp.asarray(factor, b.dtype)
-        if b.dtype != jnp.bool_ and op in ("sum", "avg", "premul_sum"):
-            out = lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
-            return out / jnp.asarray(size, b.dtype) if op == "avg" else out
-        # every rank's block for me, stacked, then reduced here
-        mine = lax.all_to_all(b.reshape(size, -1), AXIS, split_axis=0, concat_axis=0, tiled=False)
-        return _reduce_stacked(mine.reshape(size, -1), "sum" if op == "premul_sum" else op)
-
-    return _run("reduce_scatter", mesh, x, body, False, op, factor)
+    return _run("reduce_scatter", mesh, x, lambda b: reduce_scatter_body(b, op, factor, AXIS, size), False, op,
+                factor)
 
 
 def _as_bits(x: jax.Array) -> jax.Array:
@@ -123,19 +148,7 @@ def _from_bits(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def broadcast(mesh: Mesh, x: jax.Array, root: int) -> jax.Array:
-    """Every rank gets `root`'s x: a sum of the root's bits and zeros from everyone else."""
-    dtype = x.dtype
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        pair = lax.bitcast_convert_type(x, jnp.float32 if dtype == jnp.complex64 else jnp.float64).reshape(-1)
-        out = broadcast(mesh, pair, root)
-        return lax.bitcast_convert_type(out.reshape(-1, 2), dtype)
-
-    def body(b: jax.Array) -> jax.Array:
-        bits = _as_bits(b)
-        mine = lax.axis_index(AXIS) == root
-        return _from_bits(lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), AXIS), dtype)
-
-    return _run("broadcast", mesh, x, body, True, root)
+    return _run("broadcast", mesh, x, lambda b: broadcast_body(b, root, AXIS), True, root)
 
 
 def all_gather(mesh: Mesh, x: jax.Array) -> jax.Array:
@@ -146,8 +159,7 @@ def all_gather(mesh: Mesh, x: jax.Array) -> jax.Array:
 def all_to_all(mesh: Mesh, x: jax.Array) -> jax.Array:
     """(size * m,) per rank: block j goes to rank j; returns (size * m,): block i came from rank i."""
     size = mesh.devices.size
-    return _run("all_to_all", mesh, x,
-                lambda b: lax.all_to_all(b.reshape(size, -1), AXIS, 0, 0, tiled=False).reshape(-1), False)
+    return _run("all_to_all", mesh, x, lambda b: all_to_all_body(b, AXIS, size), False)
 
 
 def permute(mesh: Mesh, x: jax.Array, pairs: tuple[tuple[int, int], ...]) -> jax.Array:

@@ -18,8 +18,12 @@ AXIS = "r"  # the mesh axis of a group: position = group rank
 
 
 class GroupDevices:
-    def __init__(self, store: Any, rank: int, size: int) -> None:
+    def __init__(self, store: Any, rank: int, size: int, world: GroupDevices | None = None,
+                 global_rank: int | None = None) -> None:
         self.store, self.rank, self.size = store, rank, size
+        # the world group's table: a rank's chip is also published there, under its global rank, so
+        # that a mesh over several groups can name chips of ranks outside this rank's groups
+        self.world, self.global_rank = world, global_rank
         self.mine: jax.Device | None = None
         self._ids: dict[int, int] = {}
         self._meshes: dict[tuple[int, ...], Mesh] = {}
@@ -30,6 +34,8 @@ class GroupDevices:
             self.mine = device
             self._ids[self.rank] = device.id
             self.store.set(f"torchbridge/device/{self.rank}", str(device.id))
+            if self.world is not None and self.world is not self:
+                self.world.claim(device)
         elif device != self.mine:
             raise RuntimeError(
                 f"torchbridge: rank {self.rank} of this process group computes on {_name(self.mine)} (the device of "
@@ -46,9 +52,13 @@ class GroupDevices:
         ranks = tuple(range(self.size)) if ranks is None else ranks
         mesh = self._meshes.get(ranks)
         if mesh is None:
-            by_id = {d.id: d for d in jax.devices(self.mine.platform)}
-            mesh = self._meshes[ranks] = Mesh(np.array([by_id[self.device_id(r)] for r in ranks]), (AXIS,))
+            mesh = self._meshes[ranks] = Mesh(self.devices(np.array(ranks)), (AXIS,))
         return mesh
+
+    def devices(self, ranks: np.ndarray) -> np.ndarray:
+        """The chips of an array of this group's ranks."""
+        by_id = {d.id: d for d in jax.devices(self.mine.platform)}
+        return np.vectorize(lambda r: by_id[self.device_id(int(r))], otypes=[object])(ranks)
 
 
 def _name(device: jax.Device) -> str:

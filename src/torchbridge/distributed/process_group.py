@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from torchbridge.device import buffers
+from torchbridge.device.backend import skip_dynamo
 from torchbridge.device.state import STATE
 from torchbridge.distributed import collectives
 from torchbridge.distributed.mesh import GroupDevices
 
 C10D = torch._C._distributed_c10d
+_world_devices: GroupDevices | None = None
 _OPS = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "premul_sum",
     dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
@@ -66,7 +68,11 @@ class DeviceProcessGroup(dist.ProcessGroup):
         from torchbridge.distributed import runtime
 
         runtime.start(store, rank, size, timeout)  # the first group is the world: JAX's runtime starts here
-        self._devices = GroupDevices(store, rank, size)
+        global _world_devices
+        if _world_devices is None:  # the first group created is the world (init_process_group)
+            _world_devices = self._devices = GroupDevices(store, rank, size)
+        else:
+            self._devices = GroupDevices(store, rank, size, _world_devices, dist.get_rank())
         self._gloo = C10D.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._group_ranks = group_ranks
         self._name = ""
@@ -85,6 +91,15 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
+
+    @property
+    def global_ranks(self) -> list[int]:
+        return self._group_ranks if self._group_ranks is not None else list(range(self.size()))
+
+    def claim(self, device: Any) -> GroupDevices:
+        """This rank computes on `device` in this group; the group's device table."""
+        self._devices.claim(device)
+        return self._devices
 
     # ---- helpers -------------------------------------------------------------------------------
     def _mesh(self, tensors: list[torch.Tensor]) -> Any:
@@ -341,3 +356,8 @@ def create(options: Any, backend_options: Any = None) -> DeviceProcessGroup:
     """c10d's creator function (extended API): one DeviceProcessGroup per group."""
     return DeviceProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
                               list(options.global_ranks_in_group))
+
+
+# c10d calls these from C++, also in the eager part of a compiled region (DDP's reducer broadcasting
+# buckets): Dynamo must run them, not trace them.
+skip_dynamo(*(fn for fn in vars(DeviceProcessGroup).values() if callable(fn) and hasattr(fn, "__code__")))

@@ -44,10 +44,25 @@ def index(self, indices):
     return self[_index_tuple(indices)].reshape(_out_shape())
 
 
+def _mask_put(self, indices, values, accumulate):
+    """x[mask] = v with one boolean mask and one value (a vocab-parallel embedding zeroing the ids another
+    rank owns): a select, which a compiled graph can trace (the mask's True count is not static)."""
+    lead = 0
+    while lead < len(indices) and indices[lead] is None:
+        lead += 1
+    mask = jnp.asarray(indices[lead])
+    mask = mask.reshape((1,) * lead + mask.shape + (1,) * (self.ndim - lead - mask.ndim))
+    v = values.reshape(())
+    return self + jnp.where(mask, v, jnp.zeros((), self.dtype)) if accumulate else jnp.where(mask, v, self)
+
+
 @lower("index_put", "_index_put_impl")
 def index_put(self, indices, values, accumulate=False, unsafe=False):
-    idx = _index_tuple(indices)
     values = jnp.asarray(values).astype(self.dtype)
+    masks = [i for i in indices if i is not None and jnp.asarray(i).dtype == jnp.bool_]
+    if len(masks) == 1 and sum(i is not None for i in indices) == 1 and values.size == 1 and self.dtype != jnp.bool_:
+        return _mask_put(self, indices, values, accumulate)
+    idx = _index_tuple(indices)
     if accumulate:
         if self.dtype == jnp.bool_:
             return self.at[idx].max(values)

@@ -88,6 +88,9 @@ class TraceContext:
     out_shapes: list[tuple[int, ...]] = field(default_factory=list)
     out_dtypes: list[jnp.dtype] = field(default_factory=list)
     rng: Any = None
+    # in a graph that runs on several ranks' chips (compile/spmd.py): process group name -> mesh axis
+    # ("_sizes": group name -> size), for the lowerings of collectives
+    axes: dict[str, Any] = field(default_factory=dict)
     _draws: int = 0
 
     def key(self) -> jax.Array:

@@ -1,0 +1,94 @@
+"""Five AdamW steps of TinyLlama under one parallelism, on the device or on the CPU with gloo (the
+reference). argv: OUT MODE DEVICE [compile]. MODE: ddp | fsdp | fsdp_mp | tp | fsdp_tp.
+Writes OUT/rank{r}.pt: {"losses": [...], "params": {name: full tensor on the CPU}}."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tiny_llama import VOCAB, TinyLlama, apply_tp
+
+OUT, MODE, DEVICE = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+COMPILE = len(sys.argv) > 4 and sys.argv[4] == "1"
+dist.init_process_group("gloo" if DEVICE == "cpu" else None)
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+dev = torch.device("cpu") if DEVICE == "cpu" else torch.device(DEVICE, int(os.environ["LOCAL_RANK"]))
+if DEVICE != "cpu":
+    torch.get_device_module(DEVICE).set_device(dev)
+
+torch.manual_seed(0)  # the CPU generator: identical initial weights in both runs
+model = TinyLlama().to(dev)
+dp_rank, dp_size = RANK, WORLD
+if MODE == "ddp":
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(model, device_ids=None if DEVICE == "cpu" else [dev])
+elif MODE in ("fsdp", "fsdp_mp"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(dev.type, (WORLD,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if MODE == "fsdp_mp" else \
+        MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+elif MODE == "tp":
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply_tp(model, init_device_mesh(dev.type, (WORLD,)))
+    dp_rank, dp_size = 0, 1
+elif MODE == "fsdp_tp":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dev.type, (WORLD // 2, 2), mesh_dim_names=("dp", "tp"))
+    apply_tp(model, mesh["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), WORLD // 2
+else:
+    raise SystemExit(f"unknown mode {MODE}")
+
+step_model = model
+if COMPILE:
+    backend = "tpu" if DEVICE != "cpu" else "inductor"
+    if MODE.startswith("fsdp"):  # as TorchTitan does: each block compiled, FSDP2's hooks between them
+        for block in model.layers:
+            block.compile(backend=backend)
+    else:
+        step_model = torch.compile(model, backend=backend)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+losses = []
+for step in range(5):
+    g = torch.Generator().manual_seed(100 * step + dp_rank)  # each data-parallel rank its own batch
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=g)  # 16 inputs: shards evenly over 2 and 4
+    inputs, labels = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
+    loss = F.cross_entropy(step_model(inputs).flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+
+params = {}
+for name, p in model.named_parameters():
+    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    params[name.removeprefix("module.")] = full.detach().cpu().float()
+info = {}
+if COMPILE:
+    from torch._dynamo.utils import counters
+
+    info["graph_breaks"] = sum(counters["graph_break"].values())
+    if DEVICE != "cpu":
+        import torchbridge.compile
+
+        info["compile"] = torchbridge.compile.metrics()
+torch.save({"losses": losses, "params": params, "info": info}, OUT / f"rank{RANK}.pt")
+dist.destroy_process_group()
