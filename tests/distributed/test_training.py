@@ -3,7 +3,9 @@ reshard_after_forward, FSDP2 with bf16 params / fp32 reduce, DTensor TP + sequen
 on a 2-d mesh): on the device the losses and the final parameters equal the same job on CPU tensors
 with gloo, rank by rank. fp32 tolerances: losses 1e-5 relative, parameters 5e-4 absolute after five
 AdamW steps at lr 1e-2 (reduction order differs between XLA's psum and gloo's ring). bf16 params:
-losses 2e-3 relative, parameters within 5e-3 on average (bf16 products round differently)."""
+losses 2e-3 relative, parameters within 5e-3 on average (bf16 products round differently). The 2-d job
+saves a sharded torch.distributed.checkpoint after step 3; a new job that loads it gives the same
+steps 4-5 (losses to 1e-6, final parameters to 1e-6)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ MODES = {  # mode: ranks
 SLOW = os.environ.get("TB_SLOW") == "1"
 
 
-def _run(tmp_path, mode: str, device: str, compiled: bool = False) -> list[dict]:
+def _run(tmp_path, mode: str, device: str, compiled: bool = False, checkpoint: tuple[str, str] | None = None,
+         name: str = "") -> list[dict]:
     nproc = MODES[mode]
-    out = tmp_path / device
-    port = PORTS["training"] + (1 if device == "cpu" else 0) + (2 if compiled else 0)
-    torchrun("training.py", nproc, port, out, [mode, device, "1" if compiled else "0"], timeout=500)
+    out = tmp_path / (name or device)
+    port = PORTS["training"] + (1 if device == "cpu" else 0) + (2 if compiled else 0) + (4 if name else 0)
+    extra = list(checkpoint) if checkpoint else []
+    torchrun("training.py", nproc, port, out, [mode, device, "1" if compiled else "0", *extra], timeout=500)
     return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
 
 
@@ -45,9 +49,17 @@ def test_parallel_training_matches_cpu_gloo(tmp_path, mode):
     if mode == "fsdp" and not SLOW:
         pytest.skip("fsdp_mp and fsdp_tp cover FSDP2 in the default run; plain FSDP2 runs with TB_SLOW=1")
     ref = _run(tmp_path, mode, "cpu")
-    got = _run(tmp_path, mode, "tpu")
+    # the 2-d job also writes a torch.distributed.checkpoint (sharded FSDP2 + TP state) after step 3
+    ckpt = str(tmp_path / "ckpt")
+    got = _run(tmp_path, mode, "tpu", checkpoint=(ckpt, "save") if mode == "fsdp_tp" else None)
     assert got[0]["losses"][-1] != got[0]["losses"][0]  # it trained
     _compare(ref, got, mixed=mode == "fsdp_mp")
+    if mode == "fsdp_tp":  # a new job loads it: steps 4 and 5 as if it had never stopped
+        resumed = _run(tmp_path, mode, "tpu", checkpoint=(ckpt, "resume"), name="resumed")
+        for r, (a, b) in enumerate(zip(got, resumed, strict=True)):
+            assert b["losses"] == pytest.approx(a["losses"][3:], rel=1e-6, abs=0), f"rank {r}"
+            for name, p in a["params"].items():
+                torch.testing.assert_close(b["params"][name], p, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["tp", "ddp", "fsdp_tp"])

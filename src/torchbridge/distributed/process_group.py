@@ -13,6 +13,7 @@ collective program.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -73,7 +74,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
             _world_devices = self._devices = GroupDevices(store, rank, size)
         else:
             self._devices = GroupDevices(store, rank, size, _world_devices, dist.get_rank())
-        self._gloo = C10D.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._gloo = _gloo_group(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._group_ranks = group_ranks
         self._name = ""
         self._p2p: list[tuple[int, int, torch.Tensor]] = []
@@ -350,6 +351,20 @@ class DeviceProcessGroup(dist.ProcessGroup):
             if t.numel() != like.numel() or t.dtype != like.dtype:
                 raise ValueError(f"torchbridge: {what}: every tensor must match {tuple(like.shape)} {like.dtype}, "
                                  f"got {tuple(t.shape)} {t.dtype}")
+
+
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """gloo for CPU tensors, on the interface that reaches the other ranks (as JAX's transport is; c10d's
+    default binds to the host name's address, which another host may not reach). GLOO_SOCKET_IFNAME,
+    if set, decides as it does for c10d."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return C10D.ProcessGroupGloo(store, rank, size, timeout)
+    from torchbridge.distributed import runtime
+
+    opts = C10D.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [C10D.ProcessGroupGloo.create_device(hostname=runtime.local_address(store))]
+    return C10D.ProcessGroupGloo(store, rank, size, opts)
 
 
 def create(options: Any, backend_options: Any = None) -> DeviceProcessGroup:

@@ -98,6 +98,12 @@ def start(store: Any, rank: int, world_size: int, timeout: timedelta | None = No
     _started = True
 
 
+def local_address(store: Any) -> str:
+    """This host's address toward the store's host (where the other ranks meet)."""
+    info = launch()
+    return _outward_address(_store_host(store) or (info.master_addr if info else "127.0.0.1"))
+
+
 def _store_host(store: Any) -> str | None:
     import torch.distributed as dist
 

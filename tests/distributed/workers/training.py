@@ -1,6 +1,8 @@
 """Five AdamW steps of TinyLlama under one parallelism, on the device or on the CPU with gloo (the
-reference). argv: OUT MODE DEVICE [compile]. MODE: ddp | fsdp | fsdp_mp | tp | fsdp_tp.
-Writes OUT/rank{r}.pt: {"losses": [...], "params": {name: full tensor on the CPU}}."""
+reference). argv: OUT MODE DEVICE [compile [CHECKPOINT_DIR save|resume]]. MODE: ddp | fsdp | fsdp_mp | tp |
+fsdp_tp. With a checkpoint directory, "save" writes a torch.distributed.checkpoint of the model and
+optimizer after step 3; "resume" loads it and runs steps 4 and 5 only.
+Writes OUT/rank{r}.pt: {"losses": [...], "params": {name: full tensor on the CPU}, "info": {...}}."""
 
 from __future__ import annotations
 
@@ -65,8 +67,29 @@ if COMPILE:
     else:
         step_model = torch.compile(model, backend=backend)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+CKPT = sys.argv[5] if len(sys.argv) > 6 else None
+CKPT_MODE = sys.argv[6] if len(sys.argv) > 6 else None
+SAVE_AFTER = 3
+
+
+def checkpoint_state() -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+first = 0
+if CKPT_MODE == "resume":
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = checkpoint_state()
+    dcp.load(state, checkpoint_id=CKPT)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    first = SAVE_AFTER
 losses = []
-for step in range(5):
+for step in range(first, 5):
     g = torch.Generator().manual_seed(100 * step + dp_rank)  # each data-parallel rank its own batch
     tokens = torch.randint(0, VOCAB, (2, 17), generator=g)  # 16 inputs: shards evenly over 2 and 4
     inputs, labels = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
@@ -76,6 +99,10 @@ for step in range(5):
     opt.step()
     opt.zero_grad()
     losses.append(loss.item())
+    if CKPT_MODE == "save" and step + 1 == SAVE_AFTER:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(checkpoint_state(), checkpoint_id=CKPT)
 
 params = {}
 for name, p in model.named_parameters():
