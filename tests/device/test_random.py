@@ -76,6 +76,8 @@ def test_bernoulli_frequency():
     assert torch.equal(torch.bernoulli(p).cpu(), p.cpu())  # degenerate probabilities are exact
     q = torch.full((N,), 0.8, device=DEV)
     assert abs(torch.bernoulli(q).mean().item() - 0.8) < 0.02
+    # p = 0.5 is the schema's default: a boxed call leaves it out, the lowering must still use it
+    assert abs(torch.empty(N, device=DEV).bernoulli_(0.5).mean().item() - 0.5) < 0.02
 
 
 def test_integer_draws():
@@ -165,3 +167,32 @@ def test_cpu_generator_for_a_device_op_is_an_error():
     # CUDA raises too: a generator's numbers cannot come from another device's stream.
     with pytest.raises(RuntimeError, match="device type for generator"):
         torch.randn(4, generator=torch.Generator().manual_seed(0), device=DEV)
+
+
+def test_draws_are_counter_based_so_a_shard_equals_its_part_of_the_whole():
+    """Element i of a draw at offset o depends on (seed, o + i) only: drawing the second half of a tensor
+    at the offset where it starts gives exactly that half (what DTensor's sharded random init needs)."""
+    mod = getattr(torch, DEV)
+    for fill in (lambda t: t.normal_(), lambda t: t.uniform_(-1, 1), lambda t: t.bernoulli_(0.5),
+                 lambda t: t.random_(0, 1000)):
+        torch.manual_seed(3)
+        state = mod.get_rng_state()
+        whole = fill(torch.empty(64, device=DEV)).cpu()
+        seed, offset = state.view(torch.uint64).tolist()
+        mod.set_rng_state(torch.tensor([seed, offset + 32], dtype=torch.uint64).view(torch.uint8))
+        half = fill(torch.empty(32, device=DEV)).cpu()
+        assert torch.equal(half, whole[32:])
+        assert not torch.equal(whole[:32], whole[32:])
+
+
+def test_normal_samples_follow_the_normal_cdf():
+    """Kolmogorov-Smirnov distance between 20k device samples and the standard normal CDF (the 1% critical
+    value is 1.63 / sqrt(n)); samples are also independent of their neighbours (lag-1 correlation)."""
+    torch.manual_seed(5)
+    x = torch.randn(20_000, device=DEV).double().cpu().sort().values
+    n = x.numel()
+    cdf = torch.special.ndtr(x)
+    ks = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(0, n) / n).max().item()
+    assert ks < 1.63 / n ** 0.5
+    y = torch.randn(20_000, device=DEV).double().cpu()
+    assert abs(torch.corrcoef(torch.stack([y[:-1], y[1:]]))[0, 1].item()) < 0.03

@@ -43,7 +43,14 @@ class GraphProgram:
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in self.nodes if n.op == "output")
-        self.random = any(_is_random(n) for n in self.nodes)
+        # random nodes draw at consecutive offsets of the graph's one (seed, offset), as they would eagerly
+        self._rng_offsets: dict[torch.fx.Node, int] = {}
+        drawn = 0
+        for n in self.nodes:
+            if _is_random(n):
+                self._rng_offsets[n] = drawn
+                drawn += (max([1] + [t.numel() for t in _tensor_leaves(n.meta.get("val"))]) + 3) // 4 * 4
+        self.random = drawn
         self.fenced = _broadcast_transcendentals(self.nodes)
         self.patterns = patterns.find(self.nodes)
         self.absorbed = frozenset(n for m in self.patterns.values() for n in m.absorbed)
@@ -114,7 +121,7 @@ class GraphProgram:
             compile_counter[self.name] += 1
         self._last_key = key
         fn, out_meta = entry
-        rng = STATE.next_rng(device.index or 0) if self.random else None
+        rng = STATE.next_rng(device.index or 0, self.random) if self.random else None
         if plan is not None:  # every input becomes this rank's shard of a mesh-wide array
             glob = plan.to_global
             bufs = [glob(b) for b in bufs]
@@ -226,8 +233,7 @@ class GraphProgram:
                 else:
                     env[node] = d[1]
             const_vals = dict(zip(self._constants, consts, strict=True))
-            base_key = None if rng is None else jax.random.fold_in(jax.random.key(rng[0]), rng[1])
-            for i, node in enumerate(self.nodes):
+            for node in self.nodes:
                 if node.op == "get_attr":
                     env[node] = const_vals[node.target]
                 elif node in self.absorbed:
@@ -235,8 +241,9 @@ class GraphProgram:
                 elif node in self.patterns:
                     env[node] = _run_pattern(node, self.patterns[node], env)
                 elif node.op == "call_function":
-                    env[node] = self._run_node(node, env, None if base_key is None else jax.random.fold_in(base_key, i),
-                                               untransposed)
+                    at = self._rng_offsets.get(node)
+                    node_rng = None if at is None else (rng[0], jnp.asarray(rng[1], jnp.uint64) + jnp.uint64(at))
+                    env[node] = self._run_node(node, env, node_rng, untransposed)
                     if node in self.fenced:
                         env[node] = host_calls.fence(env[node])
             outs = []

@@ -103,13 +103,17 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device: int | str | torch.device | None = None) -> torch.Tensor:
-    s, c = STATE.get_rng_state(_index(device))
-    return torch.tensor([s & 0x7FFF_FFFF_FFFF_FFFF, c], dtype=torch.int64)
+    """16 bytes: seed and offset, little-endian uint64 each (CUDA's Philox layout, which DTensor reads)."""
+    s, o = STATE.get_rng_state(_index(device))
+    return torch.tensor([s, o], dtype=torch.uint64).view(torch.uint8)
 
 
 def set_rng_state(state: torch.Tensor, device: int | str | torch.device | None = None) -> None:
-    s, c = (int(v) for v in state.tolist())
-    STATE.set_rng_state(_index(device), (s, c))
+    state = state.detach().cpu().contiguous()
+    if state.dtype != torch.uint8 or state.numel() != 16:
+        raise ValueError(f"torchbridge: an RNG state is 16 bytes (seed, offset), got {state.numel()} {state.dtype}")
+    s, o = (int(v) for v in state.view(torch.uint64).tolist())
+    STATE.set_rng_state(_index(device), (s, o))
 
 
 # ---- streams and events: one queue per device (see csrc/native.cpp); synchronisation is real ----

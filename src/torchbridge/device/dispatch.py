@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
@@ -215,7 +216,7 @@ class _Program:
     writes: tuple[int, ...]  # storage slots returned updated, in order
     outputs: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]  # new tensors: shape, strides, dtype
     out_struct: Any  # how to rebuild the return value
-    random: bool
+    random: int  # values a random op draws (the RNG offset advances by them); 0: not random
     resize: dict[str, Any] | None = None  # out= args that must be resized first (then the call is redone)
     raw: Any = None  # the traceable function behind `fn`, composed by fused eager mode
     _avals: Any = None
@@ -391,8 +392,7 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
             if base is not None:
                 args = (*args[:i], host_calls.Transposed(views.read(storage_as(d.slot, d.dtype), base)), *args[i + 1:])
         kwargs = {k: _decode(e, values, list(scalars)) for k, e in kw if k not in info.out_args}
-        key = None if rng is None else jax.random.fold_in(jax.random.key(rng[0]), rng[1])
-        c = registry.TraceContext(out_shapes=out_shapes, out_dtypes=out_dtypes, rng=key)
+        c = registry.TraceContext(out_shapes=out_shapes, out_dtypes=out_dtypes, rng=rng)
         with registry.tracing(c):
             res = lowering.fn(*args, **kwargs)
         mutations = {}
@@ -426,7 +426,13 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     compile_counter[str(op)] += 1
     # keep_unused: a program that overwrites a storage without reading it (fill_, normal_) must still run on
     # that storage's device; JAX places a jitted call by its (kept) committed arguments.
-    return _Program(jax.jit(program, keep_unused=True), tuple(write_slots), new_outputs, out_struct, lowering.random, raw=program)
+    draws = random_draws(leaves, [t for idx, _ in written for i in idx for t in [call.tensors[i]]]) if lowering.random else 0
+    return _Program(jax.jit(program, keep_unused=True), tuple(write_slots), new_outputs, out_struct, draws, raw=program)
+
+
+def random_draws(outputs: list, written: list) -> int:
+    """How many values a random op draws: one per element of its largest result (at least one)."""
+    return max([1] + [t.numel() for t in outputs] + [t.numel() for t in written])
 
 
 def _shapes(v: Any) -> Any:
@@ -470,7 +476,7 @@ class _Fast(NamedTuple):
     single: bool  # the op returns exactly one new tensor
     fn: Any  # program.fn, program.writes, program.random, program.out_struct: read by native.fast_call by
     writes: tuple  # position (see _Fast fields in csrc/native.cpp), so they are copied here
-    random: bool
+    random: int  # values drawn (0: not random); native.fast_call advances the RNG offset by them
     out_struct: Any
     zeroes: bool  # zero_ of one storage: a never-written storage already reads as zeros, nothing to do
 
@@ -506,7 +512,7 @@ def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages
     outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
     _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
                           not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
-                          program.fn, tuple(program.writes), bool(program.random), program.out_struct,
+                          program.fn, tuple(program.writes), program.random, program.out_struct,
                           op is torch.ops.aten.zero_.default and len(storages) == 1)
     native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)
 
@@ -523,9 +529,9 @@ def install_fast_path(slow: Any) -> None:
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, rng: Any = None) -> Any:
-    """Run one op through the general path. `rng`: the RNG key for a random op drawn from a
-    torch.Generator (default: the device's own stream)."""
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, generator: Any = None) -> Any:
+    """Run one op through the general path. `generator`: the torch.Generator a random op draws from
+    (default: the device's own stream)."""
     info = op_info(op)
     if info.lowering is None:
         raise UnsupportedOp(str(op))
@@ -567,11 +573,14 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, r
             _resize_outs(kwargs[name], shapes)
         # Apply the resize events now: a late drain would overwrite the result with the old contents.
         STATE.table.drain()
-        return run(op, args, kwargs, rng=rng)
-    if not program.random:
-        rng = None
-    elif rng is None:
-        rng = STATE.next_rng(dev_index)
+        return run(op, args, kwargs, generator=generator)
+    rng = None
+    if program.random and generator is not None:
+        offset = generator.get_offset()
+        generator.set_offset(offset + (program.random + 3) // 4 * 4)
+        rng = (np.uint64(generator.initial_seed()), np.uint64(offset))
+    elif program.random:
+        rng = STATE.next_rng(dev_index, program.random)
     if lazy:
         updated, new = fused.RECORDER.record(program, tuple(bufs), tuple(call.scalars), tuple(hosts),
                                              tuple(host_scalars), rng)
@@ -582,7 +591,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, r
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     if not lazy:
         STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
-    if sig is not None and not hosts and not host_scalars:
+    if sig is not None and not hosts and not host_scalars and generator is None:
         _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)

@@ -411,15 +411,12 @@ def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 
 def _run_with_generator(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """A random op given a torch.Generator: its (seed, offset) is the op's RNG key, and the offset
-    advances. The generator is not part of the program, so every generator shares the op's program."""
+    """A random op given a torch.Generator: the op draws at the generator's (seed, offset), and the offset
+    advances past the values drawn. The generator is not part of the program: all share the op's program."""
     gen = kwargs["generator"]
     if gen.device.type != STATE.name:
         raise RuntimeError(f"{op}: expected a '{STATE.name}' device type for generator but found '{gen.device.type}'")
-    offset = gen.get_offset()
-    gen.set_offset(offset + 1)
-    rng = (np.uint64(gen.initial_seed()), np.uint64(offset))
-    return dispatch.run(op, args, {k: v for k, v in kwargs.items() if k != "generator"}, rng=rng)
+    return dispatch.run(op, args, {k: v for k, v in kwargs.items() if k != "generator"}, generator=gen)
 
 
 def register_kernels() -> None:

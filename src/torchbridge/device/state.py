@@ -64,7 +64,11 @@ class _State:
 
         return native.load().current_device()
 
-    # RNG: a (seed, counter) pair per device; every random op draws key fold_in(key(seed), counter).
+    # RNG: a (seed, offset) pair per device, laid out as CUDA's Philox state is. Random values are
+    # counter-based: element i of an op drawn at offset o is a function of (seed, o + i) alone
+    # (lowerings/registry.TraceContext.bits), and the op advances the offset by its element count
+    # rounded up to 4. So an op on a shard, started at the shard's offset, draws exactly the shard's
+    # part of what the whole tensor would draw (what DTensor's random ops rely on).
     def manual_seed(self, seed: int, device: int | None = None) -> None:
         seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
         targets = range(len(self.devices)) if device is None else [device]
@@ -75,10 +79,11 @@ class _State:
     def initial_seed(self, device: int) -> int:
         return self._seeds.get(device, self.default_seed)
 
-    def next_rng(self, device: int) -> tuple[np.uint64, np.uint64]:
-        count = self._counters.get(device, 0)
-        self._counters[device] = count + 1
-        return np.uint64(self._seeds.get(device, self.default_seed)), np.uint64(count)
+    def next_rng(self, device: int, count: int = 4) -> tuple[np.uint64, np.uint64]:
+        """(seed, offset) for a random op drawing `count` values; advances the offset past them."""
+        offset = self._counters.get(device, 0)
+        self._counters[device] = offset + (count + 3) // 4 * 4
+        return np.uint64(self._seeds.get(device, self.default_seed)), np.uint64(offset)
 
     def get_rng_state(self, device: int) -> tuple[int, int]:
         return self._seeds.get(device, self.default_seed), self._counters.get(device, 0)

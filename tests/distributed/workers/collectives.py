@@ -316,6 +316,23 @@ def run_subgroups():
 case("sub-groups", run_subgroups)
 
 
+# ---- DTensor's random ops: a sharded random init equals the unsharded one -----------------------
+def run_dtensor_random():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("tpu", (WORLD,))
+    torch.manual_seed(11)
+    whole = torch.empty(8 * WORLD, 6, device=DEV).normal_().cpu()
+    torch.manual_seed(11)
+    d = distribute_tensor(torch.empty(8 * WORLD, 6, device=DEV), mesh, [Shard(0)])
+    d.normal_()
+    return same(d.to_local(), whole[8 * RANK:8 * (RANK + 1)], exact=True)
+
+
+case("DTensor sharded normal_ equals the unsharded draw", run_dtensor_random)
+
+
 # ---- CPU tensors through the device's backend go to gloo ------------------------------------------
 def run_cpu():
     x = inputs((4,), torch.float32, 120)

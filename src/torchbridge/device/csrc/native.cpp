@@ -589,7 +589,7 @@ PyObject* g_pending_type = nullptr;  // ... but fused mode's placeholders (fused
 PyObject* g_last = nullptr;        // dict: device index -> last results (what synchronize() waits on)
 PyObject* g_slow = nullptr;        // ops.fallback(op, *args, **kwargs)
 PyObject* g_drain = nullptr;       // the storage table's drain()
-PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index)
+PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index, values drawn)
 PyObject* g_rebuild = nullptr;     // dispatch._rebuild(out_struct, outputs)
 PyObject* g_record = nullptr;      // fused.record_fast(program, bufs, scalars, rng) -> (updated, new, flush)
 PyObject* g_flush = nullptr;       // the storage table's flush(): runs what fused mode recorded
@@ -700,8 +700,10 @@ object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
     bufs[i] = reinterpret_borrow<object>(b);
   }
   PyObject* dev_index = PyTuple_GET_ITEM(entry, kDevIndex);
-  object rng = PyTuple_GET_ITEM(entry, kRandom) == Py_True
-                   ? checked(PyObject_CallOneArg(g_next_rng, dev_index))
+  // a random op draws `random` values: the device's (seed, offset), then the offset moves past them
+  PyObject* draws = PyTuple_GET_ITEM(entry, kRandom);
+  object rng = PyObject_IsTrue(draws) == 1
+                   ? checked(PyObject_CallFunctionObjArgs(g_next_rng, dev_index, draws, nullptr))
                    : reinterpret_borrow<object>(Py_None);
   object scalars = checked(PySequence_Tuple(scalar_list.ptr()));
   object empty = checked(PyTuple_New(0));

@@ -1,7 +1,10 @@
-"""Random ops. Each call draws a fresh key from the device RNG stream (seeded by `torch.manual_seed`
-through `torch.<device>.manual_seed_all`), so results are reproducible under a seed but are not the
-CPU generator's numbers. Half-precision samples are drawn in float32 and rounded, which keeps the
-distribution's tails and avoids JAX's coarse low-precision uniform grid.
+"""Random ops. Values are counter-based (registry.TraceContext.bits): element i of an op is a function
+of the device's (seed, offset + i) only, so results are reproducible under `torch.manual_seed`, a shard
+drawn at its offset equals that part of the whole tensor (DTensor's sharded random init), and they are
+not the CPU generator's numbers. Element-wise distributions (uniform, normal, bernoulli, dropout,
+integers, exponential, ...) come from each element's own two 32-bit words; permutations and
+categorical draws use a key derived from (seed, offset). Half-precision samples are drawn in float32
+and rounded, which keeps the distribution's tails and avoids a coarse low-precision grid.
 """
 
 from __future__ import annotations
@@ -27,15 +30,38 @@ def _float_dtype(dtype):
     return dtype if dtype in (jnp.float32, jnp.float64) else jnp.float32
 
 
+def _unit(word, dtype, low_word=None):
+    """[0, 1) from the high bits of a uint32 word (float32: 24 bits; float64: 53 bits from two words)."""
+    if dtype == jnp.float64:
+        hi = (word >> 6).astype(jnp.uint64) << 27
+        lo = (low_word if low_word is not None else word).astype(jnp.uint64) >> 5
+        return (hi | lo).astype(jnp.float64) * (2.0 ** -53)
+    return (word >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def _uniform(shape, dtype, low=0.0, high=1.0):
     """Samples in [low, high) computed in at least float32."""
     gen = _float_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
-    return jax.random.uniform(ctx().key(), shape, gen, minval=low, maxval=high)
+    w0, w1 = ctx().bits(shape)
+    u = _unit(w0, gen, w1)
+    return low + (high - low) * u if (low, high) != (0.0, 1.0) else u
 
 
 def _normal(shape, dtype):
+    """Box-Muller on each element's two words: one standard normal per element."""
     gen = _float_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
-    return jax.random.normal(ctx().key(), shape, gen)
+    w0, w1 = ctx().bits(shape)
+    u1 = 1.0 - _unit(w0, gen)  # (0, 1]: log is finite
+    u2 = _unit(w1, gen)
+    return jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(jnp.asarray(2 * math.pi, gen) * u2)
+
+
+def _integers(shape, low, high):
+    """Integers in [low, high) from each element's 64 bits (bias below 2**-32 for ranges under 2**32)."""
+    w0, w1 = ctx().bits(shape)
+    r = (w0.astype(jnp.uint64) << 32) | w1.astype(jnp.uint64)
+    span = (jnp.asarray(high, jnp.int64) - jnp.asarray(low, jnp.int64)).astype(jnp.uint64)
+    return jnp.asarray(low, jnp.int64) + (r % jnp.maximum(span, jnp.uint64(1))).astype(jnp.int64)
 
 
 # ---- in-place fills (also serve their functional forms) ----
@@ -67,6 +93,13 @@ def bernoulli(self, p=None, *, generator=None):
     return u < jnp.asarray(prob).astype(u.dtype)
 
 
+# bernoulli.p / bernoulli_.float: p defaults to 0.5 in the schema, and a boxed call leaves a default
+# argument out, so `x.bernoulli_(0.5)` arrives without p
+@lower("bernoulli.p", "bernoulli.float", random=True)
+def bernoulli_p(self, p=0.5, *, generator=None):
+    return bernoulli(self, p)
+
+
 def _float_int_range(dtype) -> int:
     """Largest integer random_() draws for a floating dtype: every integer up to 2**digits is exact."""
     digits = {jnp.float16: 11, jnp.bfloat16: 8, jnp.float32: 24, jnp.float64: 53}
@@ -90,21 +123,22 @@ def random_(self, *args, generator=None):
             high = _float_int_range(dtype) + 1
         else:
             high = int(jnp.iinfo(dtype).max)  # max itself is left out: randint's bound is exclusive
-    r = jax.random.randint(ctx().key(), _shape(), low, high, dtype=jnp.int64)
+    r = _integers(_shape(), low, high)
     return r != 0 if dtype == jnp.bool_ else r.astype(dtype)
 
 
 @lower("exponential", random=True)
 def exponential(self, lambd=1.0, *, generator=None):
-    return jax.random.exponential(ctx().key(), _shape(), _float_dtype(_dtype())) / lambd
+    u = _uniform(_shape(), _float_dtype(_dtype()))
+    return -jnp.log1p(-u) / lambd
 
 
 @lower("geometric", random=True)
 def geometric(self, p, *, generator=None):
     # Number of Bernoulli(p) trials up to the first success; u in (0, 1) keeps log finite.
     dt = _float_dtype(_dtype()) if jnp.issubdtype(_dtype(), jnp.floating) else jnp.float64
-    u = jax.random.uniform(ctx().key(), _shape(), dt, minval=jnp.finfo(dt).tiny, maxval=1.0)
-    return jnp.ceil(jnp.log(u) / jnp.log1p(-jnp.asarray(p, dt)))
+    u = 1.0 - _uniform(_shape(), dt)  # (0, 1]
+    return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-jnp.asarray(p, dt))), 1)
 
 
 @lower("log_normal", random=True)
@@ -152,14 +186,13 @@ def randn(size, *args, generator=None, **kwargs):
 @lower("randint_like", random=True)
 def randint_like(self, *args, generator=None, **kwargs):
     low, high = (0, args[0]) if len(args) == 1 else (args[0], args[1])
-    return jax.random.randint(ctx().key(), _shape(), jnp.asarray(low, jnp.int64), jnp.asarray(high, jnp.int64),
-                              dtype=jnp.int64)
+    return _integers(_shape(), low, high)
 
 
 @lower("randint", random=True)
 def randint(*args, generator=None, **kwargs):
     low, high = (0, args[0]) if isinstance(args[1], (list, tuple)) else (args[0], args[1])
-    return jax.random.randint(ctx().key(), _shape(), low, high, dtype=jnp.int64)
+    return _integers(_shape(), low, high)
 
 
 # ---- dropout ----

@@ -10,12 +10,14 @@ function serves add.Tensor, add.Scalar, the in-place add_ and the out= variant.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 
 @dataclass(frozen=True)
@@ -87,17 +89,40 @@ class TraceContext:
 
     out_shapes: list[tuple[int, ...]] = field(default_factory=list)
     out_dtypes: list[jnp.dtype] = field(default_factory=list)
-    rng: Any = None
+    rng: Any = None  # (seed, offset), uint64 each: where a random op draws (device/state.py)
     # in a graph that runs on several ranks' chips (compile/spmd.py): process group name -> mesh axis
     # ("_sizes": group name -> size), for the lowerings of collectives
     axes: dict[str, Any] = field(default_factory=dict)
     _draws: int = 0
 
-    def key(self) -> jax.Array:
+    def _seed_offset(self) -> tuple[Any, Any]:
         if self.rng is None:
             raise RuntimeError("torchbridge: this lowering was not registered with random=True")
+        return jnp.asarray(self.rng[0], jnp.uint64), jnp.asarray(self.rng[1], jnp.uint64)
+
+    def bits(self, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+        """Two uint32 words per element, counter-based: element i (row-major) is the Threefry hash of
+        (seed, offset + i), so a shard drawn at its own offset equals that part of the whole. A second
+        draw in the same op hashes a key derived from the first (still reproducible)."""
+        seed, offset = self._seed_offset()
+        n = math.prod(shape)
+        counter = offset + jnp.arange(n, dtype=jnp.uint64)
+        hi, lo = (counter >> 32).astype(jnp.uint32), counter.astype(jnp.uint32)
+        if self._draws:
+            k = jax.random.key_data(self.key())
+            k1, k2 = k[0], k[1]
+        else:
+            k1, k2 = (seed >> 32).astype(jnp.uint32), seed.astype(jnp.uint32)
         self._draws += 1
-        return jax.random.fold_in(self.rng, self._draws)
+        w0, w1 = threefry2x32_p.bind(k1, k2, hi, lo)
+        return w0.reshape(shape), w1.reshape(shape)
+
+    def key(self) -> jax.Array:
+        """A JAX PRNG key for draws that are not element by element (permutations, categorical)."""
+        seed, offset = self._seed_offset()
+        self._draws += 1
+        base = jax.random.fold_in(jax.random.key(seed), (offset >> 32).astype(jnp.uint32))
+        return jax.random.fold_in(jax.random.fold_in(base, offset.astype(jnp.uint32)), self._draws)
 
 
 _ctx: list[TraceContext] = []
