@@ -55,6 +55,7 @@ def write_flat(t: torch.Tensor, values: jax.Array) -> None:
     key, buf, jdt, spec, count = _parts(t)
     if values.dtype != jdt or values.shape != (t.numel(),):
         raise ValueError(f"torchbridge: writing {values.shape} {values.dtype} into a {tuple(t.shape)} {t.dtype} tensor")
+    STATE.last_results[t.device.index or 0] = values  # what synchronize() waits on
     if _whole(t, buf, jdt, count):
         STATE.table.set(key, values)
         return
