@@ -43,7 +43,7 @@ def server(llama_dir: Path):  # noqa: ANN201 - yields (base_url, async engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY), host="127.0.0.1", port=port,
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY, max_request_bytes=2**20), host="127.0.0.1", port=port,
                                         log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run every shape bucket once at start-up (default: with --shape-buckets)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies are refused with 413 before they are read (default 16 MiB)")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish /v1/kv_events")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
@@ -71,7 +73,7 @@ def main(argv: list[str]) -> int:
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:
-        uvicorn.run(create_app(async_engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(async_engine, args.api_key, args.max_request_bytes), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()
     return 0

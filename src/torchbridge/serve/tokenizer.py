@@ -12,6 +12,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_token_id = self.hf.eos_token_id
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        # The longest vocabulary entry, in characters: for tokenizers that spell out every byte of the
+        # text (byte-level BPE, SentencePiece) no token covers more characters of a prompt than this.
+        self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
