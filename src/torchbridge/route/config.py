@@ -1,7 +1,7 @@
 """Router configuration: YAML -> validated `RouterConfig`, with errors that name the bad key.
 
     router:       {block_size, session_header, profile_header, default_profile, retries,
-                   request_timeout_s, connect_timeout_s}
+                   request_timeout_s, connect_timeout_s, admin_token}
     tokenizer:    {model_dir, chars_per_token}
     flow_control: {max_inflight, max_queue, queue_timeout_s}
     health:       {interval_s, timeout_s, scrape_interval_s, kv_events, kv_events_interval_s,
@@ -81,6 +81,7 @@ _SECTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "retries": (int, 2),
         "request_timeout_s": ((int, float), 600.0),
         "connect_timeout_s": ((int, float), 10.0),
+        "admin_token": ((str, type(None)), None),
     },
     "tokenizer": {
         "model_dir": ((str, type(None)), None),
@@ -118,6 +119,8 @@ class RouterConfig:
     retries: int = 2
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    # Bearer token for /admin/*; without one the admin API answers only on a loopback address.
+    admin_token: str | None = None
     model_dir: str | None = None
     chars_per_token: int = 4
     max_inflight: int = 256
