@@ -102,9 +102,13 @@ def run_failover(up_args: list[str], duration_s: float, concurrency: int, kill_a
                 await asyncio.sleep(kill_at_s)
                 os.kill(victim_pid, signal.SIGKILL)
                 restore["kill"] = time.monotonic()
+                gone = False  # first the router must see it go (removed, or failing its health check)
                 while time.monotonic() < until + start_timeout_s:
                     st = await asyncio.to_thread(_replica_state, url, "r0")
-                    if st is not None and st["healthy"]:
+                    if st is None or not st["healthy"]:
+                        gone = True
+                        restore.setdefault("gone", time.monotonic())
+                    elif gone:
                         restore["back"] = time.monotonic()
                         return
                     await asyncio.sleep(0.1)
@@ -127,6 +131,7 @@ def run_failover(up_args: list[str], duration_s: float, concurrency: int, kill_a
         "requests": len(log), "failed": len(failed), "failure_rate": len(failed) / max(1, len(log)),
         "failed_streams": sum(r["stream"] for r in failed),
         "restore_s": (back - restore["kill"]) if back else None,
+        "removed_s": (restore["gone"] - restore["kill"]) if "gone" in restore else None,
         "served_by_r0_after_restore": sum(1 for r in log if back and r["t"] > back and r.get("replica") == "r0"),
         "killed_pid": victim_pid, "up_rc": proc.returncode, "up_output": "".join(lines),
     }

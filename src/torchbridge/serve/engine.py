@@ -89,6 +89,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, eos)
         self.proposer = NgramProposer(config.speculative_ngram, config.ngram_min, config.ngram_max) if config.speculative_ngram else None
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # structured_output.GrammarCompiler, made with the first constrained request
         # Characters a prompt of max_model_len tokens can have at most, so that a longer text is refused
         # without tokenizing it (tokenizing megabytes takes seconds and gigabytes).
         self.max_prompt_chars = (
@@ -139,6 +140,13 @@ class LLMEngine:
         if self.block_manager.blocks_for(len(prompt_ids) + 1) > self.config.num_blocks:
             raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) does not fit the KV cache", "prompt")
         seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
+        if params.guided is not None:
+            try:
+                params.guided = self.grammars.compile(params.guided)  # type: ignore[arg-type]
+            except InvalidParam as e:
+                raise InvalidRequest(str(e), e.param) from None
+            for s in seqs:
+                s.matcher = self.grammars.matcher(params.guided)  # type: ignore[arg-type]
         req = Request(request_id, prompt_ids, params, seqs)
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(prompt_ids) * params.n
@@ -155,6 +163,16 @@ class LLMEngine:
             if not s.is_finished:
                 self.scheduler.remove(s)
                 s.status, s.finish_reason = Status.FINISHED, "abort"
+
+    @property
+    def grammars(self):  # noqa: ANN201 - structured_output.GrammarCompiler (xgrammar imported on first use)
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("structured outputs need the model's tokenizer", "response_format")
+            from torchbridge.serve.structured_output import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.config.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def fail_request(self, request_id: str, message: str) -> list[SeqUpdate]:
         """End every unfinished sequence of a request with an error (a failure inside a step that
@@ -296,6 +314,12 @@ class LLMEngine:
             if logprobs:
                 seq.logprobs.append(logprobs[i])
             self.stats.generation_tokens += 1
+            if seq.matcher is not None:
+                if not seq.matcher.accept_token(t):  # type: ignore[attr-defined]
+                    raise RuntimeError(f"token {t} is not allowed by the request's grammar")
+                if seq.matcher.is_terminated():  # type: ignore[attr-defined]
+                    finish = ("stop", None)  # the grammar accepted a stop token: the output is complete
+                    break
             if t in p.stop_token_ids:
                 finish = ("stop", t)
             elif not p.ignore_eos and t in self.eos_token_ids and seq.num_output_tokens > p.min_tokens:

@@ -66,12 +66,15 @@ class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids or [])
+        self._masks = None  # structured_output.TokenMasks, made with the first constrained row
 
-    def process(self, logits: torch.Tensor, seqs: list[Sequence], masks: torch.Tensor | None = None) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logit bias, penalties, min_tokens and grammar masks on a copy of the fp32 logits [rows, vocab];
-        one row per seq. `masks`: a boolean [rows, vocab] of allowed tokens (structured outputs), or None."""
+        one row per seq. The grammar mask comes last, so nothing a request adds can revive a token its
+        grammar forbids."""
         biased = any(s.params.logit_bias for s in seqs)
-        if not biased and masks is None and not any(s.params.has_penalties or s.params.min_tokens for s in seqs):
+        constrained = any(s.matcher is not None for s in seqs)
+        if not biased and not constrained and not any(s.params.has_penalties or s.params.min_tokens for s in seqs):
             return logits
         logits = logits.clone()
         if biased:
@@ -80,20 +83,26 @@ class Sampler:
             p = seq.params
             if p.has_penalties:
                 apply_penalties(logits[i], seq)
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            # min_tokens yields to a grammar that has ended (it then allows only a stop token).
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens and not (
+                    seq.matcher is not None and seq.matcher.is_completed()):  # type: ignore[attr-defined]
                 banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
-        if masks is not None:
-            logits.masked_fill_(~masks, float("-inf"))
+        if constrained:
+            if self._masks is None:
+                from torchbridge.serve.structured_output import TokenMasks
+
+                self._masks = TokenMasks()
+            self._masks.apply(logits, [s.matcher for s in seqs])
         return logits
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: torch.Tensor | None = None) -> list[Sampled]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             # Logprobs of the model's own distribution, before any sampling transform (vLLM's default).
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.process(logits, seqs, masks)
+        logits = self.process(logits, seqs)
         best, tokens = logits.max(dim=-1)
         # NaN compares false too: a row whose best logit is not above -inf has nothing to choose.
         ok = (best > float("-inf")).tolist()

@@ -5,7 +5,10 @@ Endpoints
   GET  /metrics                 Prometheus text, vLLM metric names (see metrics.py)
   GET  /v1/models               the served model
   POST /v1/completions          text or token-id prompts; `stream`, `stream_options.include_usage`, `logprobs`
-  POST /v1/chat/completions     chat template applied; `stream`, `logprobs` + `top_logprobs`
+  POST /v1/chat/completions     chat template applied; `stream`, `logprobs` + `top_logprobs`, `tools`
+Both completion endpoints take structured outputs: `response_format` (json_object, json_schema with
+`strict`) and vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (EBNF) or
+`structured_outputs` (see structured_output.py); chat takes `tools` + `tool_choice`.
   GET  /v1/kv_events?since=N    KV-cache block events, for routers that index cached prefixes
 
 With `api_key` set, every /v1 endpoint wants `Authorization: Bearer <key>`. Errors are OpenAI-style:
@@ -41,10 +44,10 @@ from torchbridge.serve.async_engine import AsyncEngine
 __all__ = ["APIError", "create_app"]
 
 
-def create_app(engine: AsyncEngine, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(engine: AsyncEngine, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     app = FastAPI(title="torchbridge serve")
-    ctx = ApiContext(engine, api_key, max_request_bytes)
+    ctx = ApiContext(engine, api_key, max_request_bytes, tool_call_parser, enable_auto_tool_choice)
     tok = ctx.tokenizer
     fmt = LogprobFormatter(tok.token_text if tok is not None else str)
     errors.install(app)

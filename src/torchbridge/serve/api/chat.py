@@ -1,10 +1,14 @@
-"""POST /v1/chat/completions: the chat template applied; `stream`, `logprobs` + `top_logprobs`."""
+"""POST /v1/chat/completions: the chat template applied; `stream`, `logprobs` + `top_logprobs`,
+structured outputs, and tool calling (`tools`, `tool_choice` none / auto / required / a named function,
+`parallel_tool_calls`; calls parsed from the output by the server's tool-call parser and, streamed,
+sent as `tool_calls` deltas, one per completed call)."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -13,7 +17,36 @@ from torchbridge.serve.api.context import ApiContext
 from torchbridge.serve.api.errors import APIError, ErrorRoute
 from torchbridge.serve.api.responses import LogprobFormatter, guarded_stream, sse, usage
 from torchbridge.serve.engine import SeqUpdate
-from torchbridge.serve.protocol import ChatCompletionRequest
+from torchbridge.serve.protocol import ChatCompletionRequest, NamedToolChoice
+from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
+from torchbridge.serve.structured_output import tool_calls_decoding
+
+
+def constrain_tool_calls(ctx: ApiContext, req: ChatCompletionRequest, params: SamplingParams) -> bool:
+    """Set the tool-call grammar for tool_choice auto / required / named; True when the output is to be
+    parsed for tool calls."""
+    choice = req.effective_tool_choice
+    if choice == "none":
+        return False
+    if not req.tools:
+        raise APIError(400, f"tool_choice {choice!r} needs `tools`", param="tools")
+    if choice == "auto" and not ctx.enable_auto_tool_choice:
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                       param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in req.tools]
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools {names}",
+                           param="tool_choice")
+    if params.guided is not None:
+        raise APIError(400, f"{params.guided.param} cannot be combined with tool_choice {choice!r}",  # type: ignore[attr-defined]
+                       param="tool_choice")
+    xchoice: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    try:
+        params.guided = tool_calls_decoding(req.tool_dicts(), xchoice, req.parallel_tool_calls)
+    except InvalidParam as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return True
 
 
 def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
@@ -28,9 +61,11 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
             raise APIError(400, "messages must not be empty", param="messages")
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="messages")
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        tools = constrain_tool_calls(ctx, req, params)
+        await ctx.compile(params)
+        messages = [m.for_template() for m in req.messages]
         try:
-            prompt = ctx.tokenizer.render_chat(messages, req.add_generation_prompt)
+            prompt = ctx.tokenizer.render_chat(messages, req.add_generation_prompt, req.tool_dicts() or None)
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages not fitting the template
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name
@@ -40,8 +75,12 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
             return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": choices, **extra})
 
+        def finish_reason(reason: str | None, called: bool) -> str | None:
+            return "tool_calls" if called and reason == "stop" else reason
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            parsers = [ctx.tool_parser() for _ in range(params.n)] if tools else None
 
             async def events() -> AsyncIterator[str]:
                 prompt_len, completion = 0, 0
@@ -52,9 +91,21 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
                 while u is not None:
                     prompt_len = u.seq.prompt_len
                     completion += len(u.new_token_ids)
-                    choice = {"index": u.index, "delta": {"content": u.new_text} if u.new_text else {},
+                    delta: dict[str, Any] = {"content": u.new_text} if u.new_text else {}
+                    called = False
+                    if parsers is not None:
+                        p = parsers[u.index]
+                        before = len(p.calls)
+                        text, calls = p.feed(u.new_text)
+                        if u.finished:
+                            text += p.finish()
+                        delta = {"content": text} if text else {}
+                        if calls:
+                            delta["tool_calls"] = [{"index": before + k, **c} for k, c in enumerate(calls)]
+                        called = bool(p.calls)
+                    choice = {"index": u.index, "delta": delta,
                               "logprobs": fmt.chat(u.new_logprobs) if params.logprobs is not None else None,
-                              "finish_reason": u.finish_reason if u.finished else None}
+                              "finish_reason": finish_reason(u.finish_reason, called) if u.finished else None}
                     yield chunk([choice])
                     u = await anext(gen, None)
                 if include_usage:
@@ -74,10 +125,16 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
             seq = finals[j].seq
             prompt_tokens = seq.prompt_len
             completion_tokens += seq.num_output_tokens
+            message: dict[str, Any] = {"role": "assistant", "content": seq.text}
+            calls: list[dict] = []
+            if tools:
+                message["content"], calls = ctx.tool_parser().parse(seq.text)
+                if calls:
+                    message["tool_calls"] = calls
             choices.append({
-                "index": j, "message": {"role": "assistant", "content": seq.text},
+                "index": j, "message": message,
                 "logprobs": fmt.chat(seq.logprobs) if params.logprobs is not None else None,
-                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                "finish_reason": finish_reason(seq.finish_reason, bool(calls)), "stop_reason": seq.stop_reason,
             })
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})

@@ -1,5 +1,5 @@
 """POST /v1/completions: text or token-id prompts (several per request), `stream`,
-`stream_options.include_usage`, `logprobs`."""
+`stream_options.include_usage`, `logprobs`, structured outputs (`response_format`, vLLM's `guided_*`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
         req = await ctx.parse(request, CompletionRequest)
         ctx.check_model(req.model)
         params = ctx.params_of(req)
+        await ctx.compile(params)
         prompts = req.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "the prompt is empty", param="prompt")

@@ -7,6 +7,7 @@ of it is read), parsed as JSON, checked for strings that cannot be encoded (lone
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -22,6 +23,7 @@ from torchbridge.serve.async_engine import AsyncEngine, EngineError
 from torchbridge.serve.engine import InvalidRequest, SeqUpdate
 from torchbridge.serve.metrics import Metrics
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
+from torchbridge.serve.tool_parser import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
@@ -61,7 +63,14 @@ def _encodable(s: str) -> bool:
 
 class ApiContext:
     def __init__(self, engine: AsyncEngine, api_key: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {sorted(TOOL_CALL_PARSERS)}")
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.engine = engine
         self.eng = engine.engine
         self.model_name = self.eng.config.served_model_name or "model"
@@ -119,6 +128,19 @@ class ApiContext:
             return req.sampling_params()
         except InvalidParam as e:
             raise APIError(400, str(e), param=e.param) from None
+
+    async def compile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar on a worker thread (not the event loop, not the engine's)."""
+        if params.guided is None:
+            return
+        try:
+            grammars = self.eng.grammars
+            params.guided = await asyncio.to_thread(grammars.compile, params.guided)  # type: ignore[arg-type]
+        except (InvalidParam, InvalidRequest) as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def tool_parser(self) -> Any:
+        return TOOL_CALL_PARSERS[self.tool_call_parser or "hermes"]()
 
     # ---- running a request -----------------------------------------------------------------
     async def run(self, prompt: str | list[int], params: SamplingParams, special: bool, request: Request,
