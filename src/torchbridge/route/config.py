@@ -82,6 +82,7 @@ _SECTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "request_timeout_s": ((int, float), 600.0),
         "connect_timeout_s": ((int, float), 10.0),
         "admin_token": ((str, type(None)), None),
+        "max_sessions": (int, 100_000),
     },
     "tokenizer": {
         "model_dir": ((str, type(None)), None),
@@ -121,6 +122,7 @@ class RouterConfig:
     connect_timeout_s: float = 10.0
     # Bearer token for /admin/*; without one the admin API answers only on a loopback address.
     admin_token: str | None = None
+    max_sessions: int = 100_000  # session-affinity entries kept (least recently used forgotten)
     model_dir: str | None = None
     chars_per_token: int = 4
     max_inflight: int = 256

@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .config import RouterConfig, build_profile, load_config
 from .metrics import RouterMetrics
 from .picker import Decision, EndpointPicker, NoReplicaError
+from .prompt_tokens import Tokenizer, make_tokenizer, request_tokens
 from .replicas import ReplicaPool
-from .tokenize import Tokenizer, make_tokenizer, request_tokens
 
 log = logging.getLogger("torchbridge.route")
 
