@@ -28,7 +28,7 @@ __all__ = [
     "FILTERS", "PICKERS", "SCORERS", "ConfigError", "Filter", "InflightTokensScorer", "KVHeadroomFilter",
     "KVUtilizationScorer", "LeastLoadedPicker", "LoadScorer", "LowQueueFilter", "MaxScorePicker", "PickContext",
     "Picker", "PrefixCacheScorer", "QueueDepthScorer", "RandomPicker", "RequestCtx", "RoundRobinPicker",
-    "RunningRequestsScorer", "Scorer", "SessionAffinityScorer", "StickyUntilSaturatedPicker", "build_plugin",
+    "RunningRequestsScorer", "Scorer", "SessionAffinityScorer", "StickyUntilSaturatedPicker", "build_plugin", "check_params",
 ]
 
 FILTERS: dict[str, Callable[..., Filter]] = {c.name: c for c in (LowQueueFilter, KVHeadroomFilter)}
