@@ -235,6 +235,23 @@ def test_down_replica_gauges_are_dropped_not_kept(fake_replicas, router) -> None
     wait_for(lambda: 'router_replica_queue{replica="r0"} 7.0' in httpx.get(url + "/metrics").text, what="rescrape")
 
 
+def test_body_over_the_limit_is_413_and_the_router_goes_on(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1)
+    url, _ = router([f.url], router={"max_request_bytes": 4096})
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x" * 10_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["connection"] == "close" and not f.knobs.received
+
+    def chunks():  # noqa: ANN202 - no Content-Length: cut off while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    assert httpx.post(url + "/v1/completions", content=chunks()).status_code == 413
+    assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
 def test_admin_needs_the_token(fake_replicas, router) -> None:
     (f,) = fake_replicas(1)
     url, _ = router([f.url], router={"admin_token": "s3cret"})

@@ -2,7 +2,8 @@
 rejected), with errors that name the bad key.
 
     router:       {block_size, session_header, profile_header, default_profile, retries,
-                   request_timeout_s, connect_timeout_s, admin_token}
+                   request_timeout_s, connect_timeout_s, admin_token, max_sessions,
+                   max_request_bytes}
     tokenizer:    {model_dir, chars_per_token}
     flow_control: {max_inflight, max_queue, queue_timeout_s}
     health:       {interval_s, timeout_s, scrape_interval_s, kv_events, kv_events_interval_s,
@@ -101,6 +102,7 @@ class RouterSection(_Section):
     # Bearer token for /admin/*; without one the admin API answers only on a loopback address.
     admin_token: str | None = None
     max_sessions: int = Field(100_000, ge=1)  # session-affinity entries kept (least recently used forgotten)
+    max_request_bytes: int = Field(16 * 2**20, ge=1)  # larger bodies: 413 before they are read
 
 
 class TokenizerSection(_Section):
@@ -161,6 +163,7 @@ class RouterConfig:
     connect_timeout_s: float
     admin_token: str | None
     max_sessions: int
+    max_request_bytes: int
     model_dir: str | None
     chars_per_token: int
     max_inflight: int

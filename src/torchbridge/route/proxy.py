@@ -143,8 +143,28 @@ class Router:
             self.metrics.queue_depth.set(self.flow.waiting)
             self.metrics.inflight.set(self.flow.inflight)
 
+    async def read_body(self, request: Request) -> bytes | None:
+        """The request body, or None when it is larger than router.max_request_bytes (refused before
+        it is read when its Content-Length says so, as soon as it passes the limit otherwise)."""
+        limit = self.cfg.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def proxy(self, request: Request, path: str) -> Response:
-        raw = await request.body()
+        raw = await self.read_body(request)
+        if raw is None:
+            resp = openai_error(413, f"the request body is larger than {self.cfg.max_request_bytes} bytes",
+                                "invalid_request_error", "request_too_large")
+            resp.headers["connection"] = "close"  # the rest of the body was not read
+            return self._final(resp)
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
