@@ -10,8 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import API_KEY
+from serve_support import API_KEY
 
 MODEL = "tiny-llama"
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}

@@ -9,9 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_support import hf_greedy, hf_logits
-
-from conftest import API_KEY
+from serve_support import API_KEY, hf_greedy, hf_logits
 
 MODEL = "tiny-llama"
 

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-from serve_support import hf_greedy
+from serve_support import hf_greedy, running_server
 
 from torchbridge.serve import default_model_dir
 
@@ -84,8 +81,6 @@ ASK = [{"role": "system", "content": "You can call tools."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def base_url():  # noqa: ANN201 - yields the server's base URL
-    import uvicorn
-
     from torchbridge.serve.async_engine import AsyncEngine
     from torchbridge.serve.config import EngineConfig
     from torchbridge.serve.engine import LLMEngine
@@ -94,21 +89,11 @@ def base_url():  # noqa: ANN201 - yields the server's base URL
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(BUNDLED), max_model_len=1024, max_num_seqs=32,
                                                 served_model_name=MODEL)))
     engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=15)
-    engine.shutdown()
+    try:
+        with running_server(create_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True)) as url:
+            yield url
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +259,7 @@ def test_bad_structured_requests_are_400(client: openai.OpenAI) -> None:
 
 def test_auto_tool_choice_needs_the_server_flags(server: tuple) -> None:
     """The default test server runs without --enable-auto-tool-choice (as vLLM, "auto" is then a 400)."""
-    from conftest import API_KEY
+    from serve_support import API_KEY
 
     c = openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:

@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from torchbridge.request_body import read_limited
+
 from .config import RouterConfig, build_profile, load_config
 from .metrics import RouterMetrics
 from .picker import Decision, EndpointPicker, NoReplicaError
@@ -143,23 +145,8 @@ class Router:
             self.metrics.queue_depth.set(self.flow.waiting)
             self.metrics.inflight.set(self.flow.inflight)
 
-    async def read_body(self, request: Request) -> bytes | None:
-        """The request body, or None when it is larger than router.max_request_bytes (refused before
-        it is read when its Content-Length says so, as soon as it passes the limit otherwise)."""
-        limit = self.cfg.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return None
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def proxy(self, request: Request, path: str) -> Response:
-        raw = await self.read_body(request)
+        raw = await read_limited(request, self.cfg.max_request_bytes)
         if raw is None:
             resp = openai_error(413, f"the request body is larger than {self.cfg.max_request_bytes} bytes",
                                 "invalid_request_error", "request_too_large")

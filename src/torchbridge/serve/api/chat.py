@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from torchbridge.serve.api.context import ApiContext
 from torchbridge.serve.api.errors import APIError, ErrorRoute
-from torchbridge.serve.api.responses import LogprobFormatter, guarded_stream, sse, usage
+from torchbridge.serve.api.responses import LogprobFormatter, guarded_stream, sse, update_events, usage
 from torchbridge.serve.engine import SeqUpdate
 from torchbridge.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
@@ -54,9 +54,7 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = await ctx.parse(request, ChatCompletionRequest)
-        ctx.check_model(req.model)
-        params = ctx.params_of(req)
+        req, params = await ctx.request(request, ChatCompletionRequest)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if ctx.tokenizer is None:
@@ -82,35 +80,29 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             parsers = [ctx.tool_parser() for _ in range(params.n)] if tools else None
 
+            def choice_of(u: SeqUpdate) -> dict:
+                delta: dict[str, Any] = {"content": u.new_text} if u.new_text else {}
+                called = False
+                if parsers is not None:
+                    p = parsers[u.index]
+                    before = len(p.calls)
+                    text, calls = p.feed(u.new_text)
+                    if u.finished:
+                        text += p.finish()
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": before + k, **c} for k, c in enumerate(calls)]
+                    called = bool(p.calls)
+                return {"index": u.index, "delta": delta,
+                        "logprobs": fmt.chat(u.new_logprobs) if params.logprobs is not None else None,
+                        "finish_reason": finish_reason(u.finish_reason, called) if u.finished else None}
+
             async def events() -> AsyncIterator[str]:
-                prompt_len, completion = 0, 0
                 for j in range(params.n):
                     yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-                u = first
-                while u is not None:
-                    prompt_len = u.seq.prompt_len
-                    completion += len(u.new_token_ids)
-                    delta: dict[str, Any] = {"content": u.new_text} if u.new_text else {}
-                    called = False
-                    if parsers is not None:
-                        p = parsers[u.index]
-                        before = len(p.calls)
-                        text, calls = p.feed(u.new_text)
-                        if u.finished:
-                            text += p.finish()
-                        delta = {"content": text} if text else {}
-                        if calls:
-                            delta["tool_calls"] = [{"index": before + k, **c} for k, c in enumerate(calls)]
-                        called = bool(p.calls)
-                    choice = {"index": u.index, "delta": delta,
-                              "logprobs": fmt.chat(u.new_logprobs) if params.logprobs is not None else None,
-                              "finish_reason": finish_reason(u.finish_reason, called) if u.finished else None}
-                    yield chunk([choice])
-                    u = await anext(gen, None)
-                if include_usage:
-                    yield chunk([], usage=usage(prompt_len, completion))
-                yield "data: [DONE]\n\n"
+                async for e in update_events(first, gen, choice_of, chunk, include_usage):
+                    yield e
 
             return StreamingResponse(guarded_stream(events(), gen.aclose), media_type="text/event-stream")
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from torchbridge.serve.api.context import ApiContext
 from torchbridge.serve.api.errors import APIError, ErrorRoute
-from torchbridge.serve.api.responses import LogprobFormatter, guarded_stream, sse, usage
+from torchbridge.serve.api.responses import LogprobFormatter, guarded_stream, sse, update_events, usage
 from torchbridge.serve.engine import SeqUpdate
 from torchbridge.serve.protocol import CompletionRequest
 
@@ -23,9 +22,7 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await ctx.parse(request, CompletionRequest)
-        ctx.check_model(req.model)
-        params = ctx.params_of(req)
+        req, params = await ctx.request(request, CompletionRequest)
         await ctx.compile(params)
         prompts = req.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -43,26 +40,19 @@ def router(ctx: ApiContext, fmt: LogprobFormatter) -> APIRouter:
             first, gen = await ctx.first_or_error(ctx.run(prompts[0], params, True, request, req.explicit_max_tokens))
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[str]:
-                prompt_len, completion = 0, 0
-                offsets = [0] * params.n
-                u = first
-                while u is not None:
-                    prompt_len = u.seq.prompt_len
-                    completion += len(u.new_token_ids)
-                    choice = {"index": u.index, "text": u.new_text, "logprobs": None,
-                              "finish_reason": u.finish_reason if u.finished else None,
-                              "stop_reason": u.stop_reason if u.finished else None}
-                    if params.logprobs is not None:
-                        choice["logprobs"] = fmt.completion(u.new_logprobs, offsets[u.index])
-                        offsets[u.index] += len(u.new_text)
-                    yield chunk([choice])
-                    u = await anext(gen, None)
-                if include_usage:
-                    yield chunk([], usage=usage(prompt_len, completion))
-                yield "data: [DONE]\n\n"
+            offsets = [0] * params.n
 
-            return StreamingResponse(guarded_stream(events(), gen.aclose), media_type="text/event-stream")
+            def choice_of(u: SeqUpdate) -> dict:
+                choice = {"index": u.index, "text": u.new_text, "logprobs": None,
+                          "finish_reason": u.finish_reason if u.finished else None,
+                          "stop_reason": u.stop_reason if u.finished else None}
+                if params.logprobs is not None:
+                    choice["logprobs"] = fmt.completion(u.new_logprobs, offsets[u.index])
+                    offsets[u.index] += len(u.new_text)
+                return choice
+
+            events = update_events(first, gen, choice_of, chunk, include_usage)
+            return StreamingResponse(guarded_stream(events, gen.aclose), media_type="text/event-stream")
 
         async def finals_of(prompt: str | list[int]) -> dict[int, SeqUpdate]:
             finals: dict[int, SeqUpdate] = {}

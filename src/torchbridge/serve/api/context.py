@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from torchbridge.request_body import read_limited
 from torchbridge.serve.api.errors import APIError, validation_message
 from torchbridge.serve.async_engine import AsyncEngine, EngineError
 from torchbridge.serve.engine import InvalidRequest, SeqUpdate
@@ -89,24 +90,12 @@ class ApiContext:
             raise APIError(404, f"the model `{name}` does not exist", "invalid_request_error", "model",
                            "model_not_found")
 
-    async def read_body(self, request: Request) -> bytes:
-        limit = self.max_request_bytes
-        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
-                             close=True)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def parse(self, request: Request, cls: type[M]) -> M:
         self.check_auth(request)
-        raw = await self.read_body(request)
+        raw = await read_limited(request, self.max_request_bytes)
+        if raw is None:
+            raise APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
+                           code="request_too_large", close=True)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -121,6 +110,12 @@ class ApiContext:
         except ValidationError as e:
             msg, param = validation_message(list(e.errors()))
             raise APIError(400, msg, param=param) from None
+
+    async def request(self, request: Request, cls: type[M]) -> tuple[M, SamplingParams]:
+        """A completion request read, checked (auth, model) and turned into sampling parameters."""
+        req = await self.parse(request, cls)
+        self.check_model(req.model)  # type: ignore[attr-defined]
+        return req, self.params_of(req)
 
     @staticmethod
     def params_of(req: Any) -> SamplingParams:

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from torchbridge.serve.api.errors import APIError, error_body, log
+from torchbridge.serve.engine import SeqUpdate
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -16,6 +17,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+async def update_events(first: SeqUpdate | None, gen: AsyncIterator[SeqUpdate], choice_of: Callable[[SeqUpdate], dict],
+                        chunk: Callable[..., str], include_usage: bool) -> AsyncIterator[str]:
+    """One event per engine update (its choice made by `choice_of`), the usage event if asked, [DONE]."""
+    prompt_len, completion = 0, 0
+    u = first
+    while u is not None:
+        prompt_len = u.seq.prompt_len
+        completion += len(u.new_token_ids)
+        yield chunk([choice_of(u)])
+        u = await anext(gen, None)
+    if include_usage:
+        yield chunk([], usage=usage(prompt_len, completion))
+    yield "data: [DONE]\n\n"
 
 
 async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], object]) -> AsyncIterator[str]:
