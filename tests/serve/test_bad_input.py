@@ -218,6 +218,31 @@ def test_streamed_request_gets_an_error_event_when_its_step_fails(server: tuple,
     assert_still_serving(base)
 
 
+def test_failure_outside_any_request_fails_those_in_flight_and_the_loop_goes_on(
+        server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that raises before it reaches any one request (here the scheduler) fails the requests in
+    flight; the engine thread survives and serves the next request."""
+    base, engine = server
+    sched = engine.engine.scheduler
+    original = sched.schedule
+    calls = {"n": 0}
+
+    def broken() -> object:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected scheduler failure")
+        return original()
+
+    monkeypatch.setattr(sched, "schedule", broken)
+    r = post(base, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True})
+    err = assert_openai_error(r, 500)
+    assert "injected scheduler failure" in err["message"]
+    monkeypatch.undo()
+    assert engine.healthy
+    assert_still_serving(base)
+    assert not engine.engine.requests and engine.engine.block_manager.usage == 0.0
+
+
 def test_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
