@@ -5,8 +5,9 @@
   real  --real N engine replicas of `torchbridge serve` on this machine behind the real proxy.
 
 Default (`python bench/bench_route.py`): sim only, 1,000 replicas. Real replicas:
-`python bench/bench_route.py --no-sim --real 4 --model DIR`. Results go to
-docs/benchmarks/route-results-{sim,real}.json and PNG plots next to route.md.
+`python bench/bench_route.py --no-sim --real 4 --model DIR`. The tables print; the PNG plots go next
+to docs/benchmarks/route.md; the raw per-request results (megabytes per run) go to --raw-dir,
+~/.cache/torchbridge/bench-route by default, outside the repository.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ ARMS = ["round-robin", "random", "least-loaded", "prefix-aware", "sticky"]
 DEDICATED = "dedicated"
 SIM_ARMS = [*ARMS, DEDICATED]
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+RAW = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchbridge" / "bench-route"
 
 # Measured with torchbridge.route.calibrate (context_words 500 .. 5,500, i.e. prompts of 87 to 29,414
 # tokens) on one `torchbridge serve --device cpu --max-model-len 32768` replica of the bundled
@@ -498,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-warmup", type=float, default=8.0)
     ap.add_argument("--real-output-tokens", type=int, default=24)
     ap.add_argument("--tag", default="", help="suffix for the output files")
+    ap.add_argument("--raw-dir", type=Path, default=RAW, help="where the raw per-request JSON goes (not the repo)")
     args = ap.parse_args(argv)
 
     cal = dict(CALIBRATED)
@@ -536,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         print(versus_rr(real_rows))
         results["real_plots"] = plots(real_rows, f"real{args.tag}")
     mode = ("sim" if not args.no_sim else "") + ("real" if args.real else "")
-    path = OUT / f"route-results-{mode}{args.tag}.json"
+    args.raw_dir.mkdir(parents=True, exist_ok=True)
+    path = args.raw_dir / f"route-results-{mode}{args.tag}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return 0

@@ -48,13 +48,14 @@ def router() -> Iterator[Callable[..., Any]]:
     """router(replica_urls, **config_sections) -> (url, Router) with fast health/scrape loops."""
     started: list[ServerThread] = []
 
-    def make(urls: list[str], seed: int = 0, tokenizer: Any = None, **sections: Any) -> tuple[str, Any]:
+    def make(urls: list[str], seed: int = 0, tokenizer: Any = None, listen_host: str = "127.0.0.1",
+             **sections: Any) -> tuple[str, Any]:
         data: dict[str, Any] = {"replicas": [{"name": f"r{i}", "url": u} for i, u in enumerate(urls)],
                                 "health": {"interval_s": 0.2, "scrape_interval_s": 0.1, "kv_events_interval_s": 0.1,
                                            "timeout_s": 2.0}}
         for k, v in sections.items():
             data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
-        app = create_app(parse_config(data), tokenizer=tokenizer, seed=seed)
+        app = create_app(parse_config(data), tokenizer=tokenizer, seed=seed, listen_host=listen_host)
         s = ServerThread(app, free_port()).start()
         started.append(s)
         return s.url, app.state.router

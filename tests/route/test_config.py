@@ -68,6 +68,12 @@ def test_empty_config_has_defaults() -> None:
     ({"profiles": {"p": {"filters": [{"type": "kv-headroom", "max_usage": 3}], "picker": "random"}}},
      "profiles.p.filters[0].max_usage: must be in [0, 1]"),
     ({"profiles": {"p": {"picker": "random", "extra": 1}}}, "profiles.p: unknown key(s) ['extra']"),
+    ({"health": {"kv_event": True}}, "health.kv_event: unknown key"),
+    ({"flow_control": {"max_queue": -1}}, "flow_control.max_queue: must be >= 0"),
+    ({"router": {"max_sessions": 0}}, "router.max_sessions: must be >= 1"),
+    ({"router": "fast"}, "router: expected a mapping"),
+    ({"discovery": {"scheme": "ftp"}}, "discovery.scheme: expected one of"),
+    ({"router": {"admin_token": 123}}, "router.admin_token"),
 ])
 def test_bad_config_names_the_key(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -220,6 +220,58 @@ def test_health_checks_take_replicas_out_and_back(fake_replicas, router) -> None
     assert httpx.post(url + "/v1/completions", json=BODY).headers[REPLICA_HEADER] == "r0"
 
 
+def test_down_replica_gauges_are_dropped_not_kept(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1, queue=7, running=3, kv_usage=0.5)
+    url, r = router([f.url])
+    wait_for(lambda: 'router_replica_queue{replica="r0"} 7.0' in httpx.get(url + "/metrics").text, what="scrape")
+    f.knobs.healthy = False
+    wait_for(lambda: not r.pool.replicas["r0"].healthy, what="r0 marked unhealthy")
+    metrics = httpx.get(url + "/metrics").text
+    assert 'router_replica_healthy{replica="r0"} 0.0' in metrics
+    for name in ("router_replica_queue", "router_replica_running", "router_replica_kv_usage"):
+        assert f'{name}{{replica="r0"}}' not in metrics, name
+    assert r.picker.pool.queue[r.picker.pool.slots["r0"]] == 0
+    f.knobs.healthy = True
+    wait_for(lambda: 'router_replica_queue{replica="r0"} 7.0' in httpx.get(url + "/metrics").text, what="rescrape")
+
+
+def test_body_over_the_limit_is_413_and_the_router_goes_on(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1)
+    url, _ = router([f.url], router={"max_request_bytes": 4096})
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x" * 10_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["connection"] == "close" and not f.knobs.received
+
+    def chunks():  # noqa: ANN202 - no Content-Length: cut off while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    assert httpx.post(url + "/v1/completions", content=chunks()).status_code == 413
+    assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_admin_needs_the_token(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1)
+    url, _ = router([f.url], router={"admin_token": "s3cret"})
+    assert httpx.get(url + "/admin/replicas").status_code == 401
+    bad = httpx.post(url + "/admin/replicas", json={"url": "http://evil:1"}, headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_admin_token"
+    ok = httpx.get(url + "/admin/replicas", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and [x["name"] for x in ok.json()["replicas"]] == ["r0"]
+    assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200  # the API itself needs no token
+
+
+def test_admin_without_token_is_off_unless_on_loopback(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1)
+    url, _ = router([f.url], listen_host="0.0.0.0")
+    r = httpx.post(url + "/admin/replicas", json={"url": "http://evil:1"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+    url, _ = router([f.url])  # listening on loopback: open to local callers, as before
+    assert httpx.get(url + "/admin/replicas").status_code == 200
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_scrapes_engine_metrics(fake_replicas, router, engine) -> None:
     (f,) = fake_replicas(1, engine=engine, queue=7, running=3, kv_usage=0.25, num_blocks=123)

@@ -16,7 +16,7 @@ import pytest
 from route_support import wait_for
 
 from torchbridge.route.cli import _stop, _wait_healthy, free_port
-from torchbridge.route.tokenize import HFTokenizer
+from torchbridge.route.prompt_tokens import HFTokenizer
 
 BUNDLED = Path(__file__).resolve().parents[2] / "src" / "torchbridge" / "assets" / "default-model"
 MODEL = os.environ.get("TORCHBRIDGE_ROUTE_TEST_MODEL") or (str(BUNDLED) if (BUNDLED / "config.json").exists() else "")

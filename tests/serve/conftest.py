@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from serve_support import API_KEY, build_tokenizer, save_model
+from serve_support import API_KEY, build_tokenizer, running_server, save_model
 
 
 @pytest.fixture(scope="session")
@@ -25,12 +25,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> 
 @pytest.fixture(scope="module")
 def server(llama_dir: Path):  # noqa: ANN201 - yields (base_url, async engine)
     """A real uvicorn server on a free loopback port, in a thread; shut down after the module."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
     from torchbridge.serve.async_engine import AsyncEngine
     from torchbridge.serve.config import EngineConfig
     from torchbridge.serve.engine import LLMEngine
@@ -40,19 +34,8 @@ def server(llama_dir: Path):  # noqa: ANN201 - yields (base_url, async engine)
                        served_model_name="tiny-llama", speculative_ngram=2)
     engine = AsyncEngine(LLMEngine(cfg))
     engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY), host="127.0.0.1", port=port,
-                                        log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=15)
-    engine.shutdown()
-
+    try:
+        with running_server(create_app(engine, api_key=API_KEY, max_request_bytes=2**20)) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()

@@ -28,9 +28,11 @@ def test_missing_model_fails_with_a_clear_message(tmp_path: Path, capsys: pytest
 
 def test_flags_parse() -> None:
     ns = build_parser().parse_args(["--no-enable-prefix-caching", "--speculative-ngram", "3", "--shape-buckets",
-                                    "--api-key", "k", "--num-blocks", "9", "--device", "cpu"])
+                                    "--api-key", "k", "--num-blocks", "9", "--device", "cpu", "--tool-call-parser",
+                                    "hermes", "--enable-auto-tool-choice", "--max-request-bytes", "1000"])
     assert not ns.enable_prefix_caching and ns.speculative_ngram == 3 and ns.shape_buckets and ns.api_key == "k"
-    assert ns.num_blocks == 9
+    assert ns.num_blocks == 9 and ns.tool_call_parser == "hermes" and ns.enable_auto_tool_choice
+    assert ns.max_request_bytes == 1000
 
 
 def test_serve_subcommand_starts_a_server(llama_dir: Path) -> None:

@@ -9,9 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_support import hf_greedy, hf_logits
-
-from conftest import API_KEY
+from serve_support import API_KEY, hf_greedy, hf_logits
 
 MODEL = "tiny-llama"
 
@@ -216,3 +214,19 @@ def test_client_disconnect_aborts_request(server: tuple) -> None:
     assert not engine.engine.requests and engine.engine.block_manager.usage == 0.0
     # It was aborted, not run to its end.
     assert engine.engine.stats.finished_requests == finished_before
+
+
+def test_logit_bias_matches_hf_sequence_bias(client: openai.OpenAI, llama_dir: Path) -> None:
+    """OpenAI's logit_bias against Hugging Face's own bias processor (single-token sequence_bias)."""
+    prompt = [30, 31, 32, 33]
+    plain = hf_greedy(llama_dir, prompt, 6)
+    bias = {plain[0]: -100.0, plain[1]: 4.0, 77: 2.5}
+    model = __import__("serve_support").hf_model(str(llama_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False,
+                             max_new_tokens=6, sequence_bias={(t,): v for t, v in bias.items()})
+    expected = out[0, 4:].tolist()
+    assert expected != plain
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  logit_bias={str(t): v for t, v in bias.items()})
+    assert r.choices[0].text == hf_text(llama_dir, expected)

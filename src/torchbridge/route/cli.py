@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 from .config import ConfigError, ReplicaSpec, RouterConfig, load_config, parse_config
+from .supervisor import EngineProcess, StopFlag, Supervisor, free_port, stop_all, wait_healthy
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# Older names, imported by the Ray app, benchmarks and tests.
+_wait_healthy, _stop, _StopFlag = wait_healthy, stop_all, StopFlag
+__all__ = ["free_port", "main", "up"]
 
 
 def _router_config(args: argparse.Namespace) -> RouterConfig:
@@ -45,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="default routing profile")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--admin-token", default=os.environ.get("TORCHBRIDGE_ADMIN_TOKEN"),
+                    help="bearer token for /admin/* (default: $TORCHBRIDGE_ADMIN_TOKEN; without one the admin "
+                         "API answers only on a loopback address)")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
     try:
@@ -56,56 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from .proxy import create_app
 
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    if args.admin_token:
+        cfg.admin_token = args.admin_token
+    uvicorn.run(create_app(cfg, listen_host=args.host), host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-class _StopFlag:
-    """SIGINT and SIGTERM set a flag that `up`'s loops poll, instead of raising KeyboardInterrupt
-    wherever the main thread happens to be: raised inside Popen.poll(), between its waitpid lock's
-    acquire and the try block that releases it, the lock stays held and the shutdown's wait() then
-    blocks forever (seen once in CI as `up` ignoring Ctrl-C)."""
-
-    def __init__(self) -> None:
-        self.set = False
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> _StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.set = True
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float, stop: _StopFlag | None = None) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not (stop and stop.set):
-        if proc.poll() is not None:
-            return False
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return True
-        time.sleep(0.25)
-    return False
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def up(argv: list[str] | None = None) -> int:
@@ -120,74 +72,89 @@ def up(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-arg", action="append", default=[], help="extra argument for each engine (repeatable)")
     ap.add_argument("--engine-cmd", help=argparse.SUPPRESS)  # tests: a stand-in engine, "{port}" is substituted
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+    ap.add_argument("--admin-token", default=os.environ.get("TORCHBRIDGE_ADMIN_TOKEN"),
+                    help="the router's admin token (default: $TORCHBRIDGE_ADMIN_TOKEN; needed off loopback)")
     ap.add_argument("--exit-when-ready", action="store_true", help=argparse.SUPPRESS)  # tests / smoke checks
     args = ap.parse_args(argv)
     if args.replicas < 1:
         print("--replicas must be >= 1", file=sys.stderr)
         return 2
 
-    procs: list[subprocess.Popen[bytes]] = []
-    rows: list[tuple[str, str, int, str]] = []
     log_dir = Path(os.environ.get("TORCHBRIDGE_UP_LOGS", "/tmp/torchbridge-up"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _StopFlag() as stop:
+    engines: list[EngineProcess] = []
+    router: list[subprocess.Popen[bytes]] = []
+    with StopFlag() as stop:
         try:
-            return _up(args, procs, rows, log_dir, stop)
+            return _up(args, engines, router, log_dir, stop)
         finally:
-            _stop(procs)
+            stop_all(router + [e.proc for e in engines if e.proc is not None])
 
 
-def _up(args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], rows: list[tuple[str, str, int, str]],
-        log_dir: Path, stop: _StopFlag) -> int:
-    urls = []
-    for i in range(args.replicas):
-        port = free_port(args.host)
+def _engine_command(args: argparse.Namespace) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
         if args.engine_cmd:
-            cmd = [a.replace("{port}", str(port)) for a in args.engine_cmd.split()]
-        else:
-            cmd = [sys.executable, "-m", "torchbridge", "serve", "--device", args.device, "--host", args.host,
-                   "--port", str(port), *(["--model", args.model] if args.model else []), *args.engine_arg]
-        logf = open(log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT))
-        urls.append(f"http://{args.host}:{port}")
-        rows.append((f"engine r{i}", urls[-1], procs[-1].pid, "starting"))
+            return [a.replace("{port}", str(port)) for a in args.engine_cmd.split()]
+        return [sys.executable, "-m", "torchbridge", "serve", "--device", args.device, "--host", args.host,
+                "--port", str(port), *(["--model", args.model] if args.model else []), *args.engine_arg]
+
+    return command
+
+
+def _up(args: argparse.Namespace, engines: list[EngineProcess], router: list[subprocess.Popen[bytes]],
+        log_dir: Path, stop: StopFlag) -> int:
+    command = _engine_command(args)
+    for i in range(args.replicas):
+        (log_dir / f"engine-{i}.log").unlink(missing_ok=True)
+        e = EngineProcess(f"r{i}", args.host, free_port(args.host), command, log_dir / f"engine-{i}.log")
+        e.start()
+        engines.append(e)
+    rows: list[tuple[str, str, int, str]] = [(f"engine {e.name}", e.url, e.proc.pid, "starting")  # type: ignore[union-attr]
+                                             for e in engines]
     print(f"starting {args.replicas} engine replica(s); logs in {log_dir}", flush=True)
-    for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
-        ok = _wait_healthy(url, proc, args.timeout, stop)
+    for i, e in enumerate(engines):
+        assert e.proc is not None
+        ok = wait_healthy(e.url, e.proc, args.timeout, stop)
         if stop.set:
             return _shutting_down()
-        rows[i] = (rows[i][0], url, proc.pid, "healthy" if ok else f"FAILED (see {log_dir}/engine-{i}.log)")
+        rows[i] = (rows[i][0], e.url, e.proc.pid, "healthy" if ok else f"FAILED (see {e.log_path})")
         if not ok:
             _table(rows)
             return 1
+        e.state, e.healthy_since = "healthy", time.monotonic()
+    # The router is named after the engines' order (r0, r1, ...), which the supervisor's admin calls use.
     rcmd = [sys.executable, "-m", "torchbridge", "route", "--host", args.host, "--port", str(args.router_port)]
-    for url in urls:
-        rcmd += ["--replica", url]
+    for e in engines:
+        rcmd += ["--replica", e.url]
     for flag, val in (("--config", args.config), ("--model", args.model), ("--profile", args.profile)):
         if val:
             rcmd += [flag, val]
     rlog = open(log_dir / "router.log", "wb")  # noqa: SIM115
     # The router never uses the device backend; skipping it saves importing torch and jax.
     renv = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1"}
-    procs.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT, env=renv))
+    if args.admin_token:
+        renv["TORCHBRIDGE_ADMIN_TOKEN"] = args.admin_token
+    router.append(subprocess.Popen(rcmd, stdout=rlog, stderr=subprocess.STDOUT, env=renv))
     rurl = f"http://{args.host}:{args.router_port}"
-    ok = _wait_healthy(rurl, procs[-1], 60.0, stop)
+    ok = wait_healthy(rurl, router[0], 60.0, stop)
     if stop.set:
         return _shutting_down()
-    rows.append(("router", rurl, procs[-1].pid, "healthy" if ok else f"FAILED (see {log_dir}/router.log)"))
+    rows.append(("router", rurl, router[0].pid, "healthy" if ok else f"FAILED (see {log_dir}/router.log)"))
     _table(rows)
     if not ok:
         return 1
     print(f"\nOpenAI endpoint: {rurl}/v1   metrics: {rurl}/metrics   replicas: {rurl}/admin/replicas\n"
-          "Ctrl-C stops everything.", flush=True)
+          "Ctrl-C stops everything; replicas that exit are restarted.", flush=True)
     if args.exit_when_ready:
         return 0
-    while not stop.set and all(p.poll() is None for p in procs):
-        time.sleep(0.5)
+    supervisor = Supervisor(engines, rurl, args.admin_token, args.timeout,
+                            log=lambda m: print(f"up: {m}", file=sys.stderr, flush=True))
+    while not stop.set and router[0].poll() is None:
+        supervisor.tick()
+        time.sleep(0.25)
     if stop.set:
         return _shutting_down()
-    dead = [r for r, p in zip(rows, procs, strict=True) if p.poll() is not None]
-    print(f"exiting: {', '.join(r[0] for r in dead)} stopped", file=sys.stderr)
+    print(f"exiting: the router stopped (status {router[0].returncode}; see {log_dir}/router.log)", file=sys.stderr)
     return 1
 
 

@@ -1,7 +1,9 @@
-"""Router configuration: YAML -> validated `RouterConfig`, with errors that name the bad key.
+"""Router configuration: YAML -> validated `RouterConfig` (pydantic section models, unknown keys
+rejected), with errors that name the bad key.
 
     router:       {block_size, session_header, profile_header, default_profile, retries,
-                   request_timeout_s, connect_timeout_s}
+                   request_timeout_s, connect_timeout_s, admin_token, max_sessions,
+                   max_request_bytes}
     tokenizer:    {model_dir, chars_per_token}
     flow_control: {max_inflight, max_queue, queue_timeout_s}
     health:       {interval_s, timeout_s, scrape_interval_s, kv_events, kv_events_interval_s,
@@ -20,11 +22,22 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .scorers import FILTERS, PICKERS, SCORERS, ConfigError, Filter, Picker, Scorer, build_plugin
+from .scorers import (
+    FILTERS,
+    PICKERS,
+    SCORERS,
+    ConfigError,
+    Filter,
+    Picker,
+    Scorer,
+    build_plugin,
+    check_params,
+)
 
 __all__ = ["ConfigError", "Profile", "ReplicaSpec", "RouterConfig", "BUILTIN_PROFILES", "load_config",
            "parse_config", "build_profile"]
@@ -72,78 +85,135 @@ class Profile:
     picker: Picker
 
 
-_SECTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
-    "router": {
-        "block_size": (int, 16),
-        "session_header": (str, "x-session-id"),
-        "profile_header": (str, "x-route-profile"),
-        "default_profile": (str, "sticky"),
-        "retries": (int, 2),
-        "request_timeout_s": ((int, float), 600.0),
-        "connect_timeout_s": ((int, float), 10.0),
-    },
-    "tokenizer": {
-        "model_dir": ((str, type(None)), None),
-        "chars_per_token": (int, 4),
-    },
-    "flow_control": {
-        "max_inflight": (int, 256),
-        "max_queue": (int, 1024),
-        "queue_timeout_s": ((int, float), 60.0),
-    },
-    "health": {
-        "interval_s": ((int, float), 2.0),
-        "timeout_s": ((int, float), 2.0),
-        "scrape_interval_s": ((int, float), 1.0),
-        "kv_events": (bool, True),
-        "kv_events_interval_s": ((int, float), 0.5),
-        "default_kv_blocks": (int, 4096),
-        "default_prefill_tps": ((int, float), 2000.0),
-    },
-    "discovery": {
-        "dns": ((str, type(None)), None),
-        "port": (int, 8000),
-        "interval_s": ((int, float), 10.0),
-        "scheme": (str, "http"),
-    },
-}
+class _Section(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default); types are strict
+    # (no "16" for 16, no true for 1), except that an int is a fine float.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RouterSection(_Section):
+    block_size: int = Field(16, ge=1)
+    session_header: str = "x-session-id"
+    profile_header: str = "x-route-profile"
+    default_profile: str = "sticky"
+    retries: int = Field(2, ge=0)
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    # Bearer token for /admin/*; without one the admin API answers only on a loopback address.
+    admin_token: str | None = None
+    max_sessions: int = Field(100_000, ge=1)  # session-affinity entries kept (least recently used forgotten)
+    max_request_bytes: int = Field(16 * 2**20, ge=1)  # larger bodies: 413 before they are read
+
+
+class TokenizerSection(_Section):
+    model_dir: str | None = None
+    chars_per_token: int = Field(4, ge=1)
+
+
+class FlowControlSection(_Section):
+    max_inflight: int = Field(256, ge=1)
+    max_queue: int = Field(1024, ge=0)
+    queue_timeout_s: float = 60.0
+
+
+class HealthSection(_Section):
+    interval_s: float = Field(2.0, ge=1e-3)
+    timeout_s: float = 2.0
+    scrape_interval_s: float = Field(1.0, ge=1e-3)
+    kv_events: bool = True
+    kv_events_interval_s: float = 0.5
+    default_kv_blocks: int = 4096
+    default_prefill_tps: float = Field(2000.0, ge=1e-3)
+
+
+class DiscoverySection(_Section):
+    dns: str | None = None
+    port: int = Field(8000, ge=1)
+    interval_s: float = Field(10.0, ge=1e-3)
+    scheme: Literal["http", "https"] = "http"
+
+
+class ConfigFile(_Section):
+    """The router YAML. Replicas and profiles are checked by parse_config and the plugins themselves
+    (a plugin's parameters are its constructor's)."""
+
+    router: RouterSection = RouterSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    flow_control: FlowControlSection = FlowControlSection()
+    health: HealthSection = HealthSection()
+    discovery: DiscoverySection = DiscoverySection()
+    replicas: Any = None
+    profiles: Any = None
+
+
+_SECTIONS = ("router", "tokenizer", "flow_control", "health", "discovery")
 
 
 @dataclass
 class RouterConfig:
-    block_size: int = 16
-    session_header: str = "x-session-id"
-    profile_header: str = "x-route-profile"
-    default_profile: str = "sticky"
-    retries: int = 2
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 10.0
-    model_dir: str | None = None
-    chars_per_token: int = 4
-    max_inflight: int = 256
-    max_queue: int = 1024
-    queue_timeout_s: float = 60.0
-    interval_s: float = 2.0
-    timeout_s: float = 2.0
-    scrape_interval_s: float = 1.0
-    kv_events: bool = True
-    kv_events_interval_s: float = 0.5
-    default_kv_blocks: int = 4096
-    default_prefill_tps: float = 2000.0
-    discovery_dns: str | None = None
-    discovery_port: int = 8000
-    discovery_interval_s: float = 10.0
-    discovery_scheme: str = "http"
+    """The validated config, flattened (discovery keys prefixed `discovery_`); the defaults live in the
+    section models above."""
+
+    block_size: int
+    session_header: str
+    profile_header: str
+    default_profile: str
+    retries: int
+    request_timeout_s: float
+    connect_timeout_s: float
+    admin_token: str | None
+    max_sessions: int
+    max_request_bytes: int
+    model_dir: str | None
+    chars_per_token: int
+    max_inflight: int
+    max_queue: int
+    queue_timeout_s: float
+    interval_s: float
+    timeout_s: float
+    scrape_interval_s: float
+    kv_events: bool
+    kv_events_interval_s: float
+    default_kv_blocks: int
+    default_prefill_tps: float
+    discovery_dns: str | None
+    discovery_port: int
+    discovery_interval_s: float
+    discovery_scheme: str
     replicas: list[ReplicaSpec] = field(default_factory=list)
     profiles: dict[str, dict[str, Any]] = field(default_factory=lambda: copy.deepcopy(BUILTIN_PROFILES))
     source: str | None = None
 
+    @classmethod
+    def from_file(cls, f: ConfigFile, source: str | None = None) -> RouterConfig:
+        flat: dict[str, Any] = {}
+        for section in _SECTIONS:
+            model = getattr(f, section)
+            prefix = "discovery_" if section == "discovery" else ""  # keys repeat across sections
+            for k, v in model.model_dump().items():
+                is_float = type(model).model_fields[k].annotation is float
+                flat[prefix + k] = float(v) if is_float else v
+        return cls(**flat, source=source)
 
-def _check_type(path: str, value: Any, t: type | tuple[type, ...]) -> None:
-    numeric = t in (int, float, (int, float))
-    if (isinstance(value, bool) and numeric) or not isinstance(value, t):
-        name = " or ".join(x.__name__ for x in (t if isinstance(t, tuple) else (t,)))
-        raise ConfigError(f"{path}: expected {name}, got {value!r}")
+
+def _config_error(e: ValidationError) -> ConfigError:
+    """The first pydantic error as `path: message`, the path naming the offending key."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    typ, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if typ == "extra_forbidden" and len(loc) == 1:
+        return ConfigError(f"<root>: unknown section(s) {loc}; allowed: {sorted([*_SECTIONS, 'replicas', 'profiles'])}")
+    path = ".".join(loc)
+    if typ == "extra_forbidden":
+        section = ConfigFile.model_fields[loc[0]].annotation
+        return ConfigError(f"{path}: unknown key; allowed: {sorted(section.model_fields)}")  # type: ignore[union-attr]
+    expected = {"int_type": "int", "float_type": "float", "string_type": "str", "bool_type": "bool",
+                "model_type": "a mapping", "literal_error": f"one of {ctx.get('expected')}"}
+    if typ in expected:
+        return ConfigError(f"{path}: expected {expected[typ]}, got {value!r}")
+    if typ == "greater_than_equal":
+        return ConfigError(f"{path}: must be >= {ctx['ge']}, got {value}")
+    return ConfigError(f"{path}: {err['msg']}")
 
 
 def build_profile(name: str, spec: Any, path: str | None = None) -> Profile:
@@ -168,7 +238,7 @@ def build_profile(name: str, spec: Any, path: str | None = None) -> Profile:
         if not isinstance(s, dict):
             raise ConfigError(f"{sp}: expected a mapping with 'type' and 'weight', got {s!r}")
         w = s.get("weight", 1.0)
-        _check_type(f"{sp}.weight", w, (int, float))
+        check_params(sp, {"weight": w}, {"weight": (int, float)})
         if not 0.0 <= w <= 1.0:
             raise ConfigError(f"{sp}.weight: must be in [0, 1], got {w}")
         scorers.append((build_plugin("scorer", SCORERS, sp, s, extra_keys=("weight",)), float(w)))
@@ -183,35 +253,12 @@ def parse_config(data: Any, source: str | None = None) -> RouterConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"<root>: expected a mapping, got {type(data).__name__}")
-    unknown = set(data) - set(_SECTIONS) - {"replicas", "profiles"}
-    if unknown:
-        raise ConfigError(f"<root>: unknown section(s) {sorted(unknown)}; "
-                          f"allowed: {sorted([*_SECTIONS, 'replicas', 'profiles'])}")
-    cfg = RouterConfig(source=source)
-    for section, keys in _SECTIONS.items():
-        sec = data.get(section) or {}
-        if not isinstance(sec, dict):
-            raise ConfigError(f"{section}: expected a mapping, got {sec!r}")
-        for k, v in sec.items():
-            if k not in keys:
-                raise ConfigError(f"{section}.{k}: unknown key; allowed: {sorted(keys)}")
-            _check_type(f"{section}.{k}", v, keys[k][0])
-            attr = f"discovery_{k}" if section == "discovery" else k  # keys repeat across sections
-            setattr(cfg, attr, float(v) if keys[k][0] == (int, float) else v)
-    for path, v, lo in (("router.block_size", cfg.block_size, 1), ("router.retries", cfg.retries, 0),
-                        ("tokenizer.chars_per_token", cfg.chars_per_token, 1),
-                        ("flow_control.max_inflight", cfg.max_inflight, 1),
-                        ("flow_control.max_queue", cfg.max_queue, 0),
-                        ("health.interval_s", cfg.interval_s, 1e-3),
-                        ("health.scrape_interval_s", cfg.scrape_interval_s, 1e-3),
-                        ("health.default_prefill_tps", cfg.default_prefill_tps, 1e-3),
-                        ("discovery.interval_s", cfg.discovery_interval_s, 1e-3),
-                        ("discovery.port", cfg.discovery_port, 1)):
-        if v < lo:
-            raise ConfigError(f"{path}: must be >= {lo}, got {v}")
-
-    if cfg.discovery_scheme not in ("http", "https"):
-        raise ConfigError(f"discovery.scheme: must be http or https, got {cfg.discovery_scheme!r}")
+    # An empty YAML section (`router:`) means its defaults.
+    data = {k: ({} if v is None and k in _SECTIONS else v) for k, v in data.items()}
+    try:
+        cfg = RouterConfig.from_file(ConfigFile.model_validate(data), source)
+    except ValidationError as e:
+        raise _config_error(e) from None
     reps = data.get("replicas") or []
     if not isinstance(reps, list):
         raise ConfigError(f"replicas: expected a list, got {reps!r}")

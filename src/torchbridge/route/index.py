@@ -1,34 +1,19 @@
-"""Prefix-cache indexes keyed by chained block hashes.
+"""Prefix-cache indexes keyed by chained block hashes (torchbridge.block_hash).
 
-A prompt's tokens are cut into full blocks of `block_size`; block i hashes to
-h_i = xxh64(le64(h_{i-1}) || le32(tokens_i)) with h_{-1} = 0, so equal keys imply equal prefixes
-up to and including the block (up to hash collisions), which lets an index answer "how many
-leading blocks of this prompt does replica r hold?" by walking the chain. This is the same
-scheme as torchbridge.serve's block manager, so with the engine's tokenizer the router's keys
-are the engine's and its KV events can be applied to the precise index as they are.
+Equal keys imply equal prefixes, which lets an index answer "how many leading blocks of this prompt
+does replica r hold?" by walking the chain. The engine's block manager uses the same module, so with
+the engine's tokenizer the router's keys are the engine's and its KV events apply to the precise
+index as they are.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
-import xxhash
+from torchbridge.block_hash import block_hashes
 
-
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of `tokens` (a trailing partial block is ignored,
-    as engines only cache full blocks). `parent` continues an existing chain."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    out: list[int] = []
-    n_full = len(tokens) // block_size
-    for i in range(n_full):
-        chunk = array("i", tokens[i * block_size:(i + 1) * block_size]).tobytes()
-        parent = xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + chunk)
-        out.append(parent)
-    return out
+__all__ = ["BlockIndex", "block_hashes"]
 
 
 class BlockIndex:

@@ -34,7 +34,15 @@ class RouterMetrics:
                                "Router's in-flight uncached prompt tokens awaiting a first token", labels, registry=r)
 
     def forget_replica(self, name: str) -> None:
-        for g in (self.r_healthy, self.r_queue, self.r_running, self.r_kv, self.r_inflight, self.r_pending):
+        self._forget(name, (self.r_healthy, self.r_queue, self.r_running, self.r_kv, self.r_inflight, self.r_pending))
+
+    def forget_scraped(self, name: str) -> None:
+        """Drop a replica's scraped gauges (it is down: their last values are stale)."""
+        self._forget(name, (self.r_queue, self.r_running, self.r_kv))
+
+    @staticmethod
+    def _forget(name: str, gauges: tuple[Gauge, ...]) -> None:
+        for g in gauges:
             try:
                 g.remove(name)
             except KeyError:

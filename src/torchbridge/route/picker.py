@@ -14,8 +14,9 @@ import numpy as np
 
 from .config import Profile, RouterConfig, build_profile
 from .index import BlockIndex, block_hashes
+from .load_table import PoolState
 from .scorers import PickContext, RequestCtx
-from .state import PoolState
+from .sessions import SessionTable
 
 
 class NoReplicaError(RuntimeError):
@@ -41,7 +42,7 @@ class EndpointPicker:
         self.pool = PoolState(capacity=capacity, default_prefill_tps=cfg.default_prefill_tps)
         self.approx = BlockIndex()
         self.precise = BlockIndex()
-        self.sessions: dict[str, str] = {}
+        self.sessions = SessionTable(cfg.max_sessions)
         # Engine KV events only match our keys when we tokenize exactly as the engine does.
         self.tokenizer_exact = False
         self.rng = random.Random(seed)
@@ -63,8 +64,7 @@ class EndpointPicker:
         self.approx.remove_replica(slot)
         self.precise.remove_replica(slot)
         self.pool.remove(name)
-        for s in [s for s, r in self.sessions.items() if r == name]:
-            del self.sessions[s]
+        self.sessions.forget_replica(name)
 
     def set_kv_blocks(self, name: str, kv_blocks: int, block_size: int | None = None) -> None:
         """Size the approximate LRU to the replica's KV capacity, converted to router blocks."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -21,11 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from torchbridge.request_body import read_limited
+
 from .config import RouterConfig, build_profile, load_config
 from .metrics import RouterMetrics
 from .picker import Decision, EndpointPicker, NoReplicaError
+from .prompt_tokens import Tokenizer, make_tokenizer, request_tokens
 from .replicas import ReplicaPool
-from .tokenize import Tokenizer, make_tokenizer, request_tokens
 
 log = logging.getLogger("torchbridge.route")
 
@@ -142,7 +146,12 @@ class Router:
             self.metrics.inflight.set(self.flow.inflight)
 
     async def proxy(self, request: Request, path: str) -> Response:
-        raw = await request.body()
+        raw = await read_limited(request, self.cfg.max_request_bytes)
+        if raw is None:
+            resp = openai_error(413, f"the request body is larger than {self.cfg.max_request_bytes} bytes",
+                                "invalid_request_error", "request_too_large")
+            resp.headers["connection"] = "close"  # the rest of the body was not read
+            return self._final(resp)
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -278,8 +287,41 @@ class Router:
         return resp
 
 
-def create_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None, seed: int | None = None) -> FastAPI:
+def _loopback(host: str | None) -> bool:
+    if host in ("localhost", "testclient"):  # testclient: Starlette's in-process test client
+        return True
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AdminGuard:
+    """/admin/* wants `Authorization: Bearer <admin token>` (compared in constant time). Without a token
+    configured, the admin API answers only when the router listens on a loopback address and the
+    caller is local; anywhere else it is off (403)."""
+
+    def __init__(self, token: str | None, listen_host: str) -> None:
+        self.token = token
+        self.open_locally = token is None and _loopback(listen_host)
+
+    def refusal(self, request: Request) -> Response | None:
+        if self.token is not None:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+                return openai_error(401, "invalid or missing admin token", "authentication_error", "invalid_admin_token")
+            return None
+        if self.open_locally and _loopback(request.client.host if request.client else None):
+            return None
+        return openai_error(403, "the admin API needs an admin token when the router is not on loopback "
+                                 "(--admin-token, TORCHBRIDGE_ADMIN_TOKEN or router.admin_token)",
+                            "permission_error", "admin_disabled")
+
+
+def create_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None, seed: int | None = None,
+               listen_host: str = "127.0.0.1") -> FastAPI:
     router = Router(cfg, tokenizer, seed)
+    guard = AdminGuard(cfg.admin_token, listen_host)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -322,6 +364,14 @@ def create_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None, seed: int 
     async def metrics() -> Response:
         router.refresh_gauges()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.middleware("http")
+    async def admin_only_with_token(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/admin"):
+            refused = guard.refusal(request)
+            if refused is not None:
+                return refused
+        return await call_next(request)
 
     @app.get("/admin/replicas")
     async def list_replicas() -> Response:

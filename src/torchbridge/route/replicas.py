@@ -118,10 +118,18 @@ class ReplicaPool:
 
     def _set_healthy(self, rep: Replica, ok: bool) -> None:
         rep.healthy = ok
-        slot = self.picker.pool.slots.get(rep.name)
+        pool = self.picker.pool
+        slot = pool.slots.get(rep.name)
         if slot is not None:
-            self.picker.pool.healthy[slot] = ok
+            pool.healthy[slot] = ok
         self.metrics.r_healthy.labels(rep.name).set(1 if ok else 0)
+        if not ok:
+            # A replica that is down has no load to report: drop its last scrape instead of showing it
+            # forever; the next successful scrape after it recovers fills them again.
+            rep.engine = {}
+            if slot is not None:
+                pool.queue[slot] = pool.running[slot] = pool.kv_usage[slot] = 0.0
+            self.metrics.forget_scraped(rep.name)
 
     # -- background loops --------------------------------------------------------------------
     async def start(self) -> None:
@@ -188,6 +196,8 @@ class ReplicaPool:
             self._set_healthy(rep, ok)
 
     async def scrape(self, rep: Replica) -> None:
+        if not rep.healthy:  # its gauges stay dropped until a health check passes
+            return
         try:
             r = await self.client.get(rep.url + "/metrics", timeout=self.cfg.timeout_s)
             if r.status_code != 200:

@@ -19,6 +19,10 @@ from torchbridge.serve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class EngineError(RuntimeError):
+    """The engine failed this request (a step that concerned it raised); others go on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -42,15 +46,17 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True,
+        strict_length: bool = False,
     ) -> AsyncIterator[SeqUpdate]:
         """Yield the request's per-step updates until every choice finished. Raises InvalidRequest for a
-        request the engine refuses. If the consumer stops early (client gone) the request is aborted."""
+        request the engine refuses and EngineError for one that failed inside a step. If the consumer
+        stops early (client gone) the request is aborted."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, out)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, params, add_special_tokens), fut))
+        self._commands.put(("add", (request_id, prompt, params, add_special_tokens, strict_length), fut))
         self._wake.set()
         finished = 0
         try:
@@ -59,6 +65,8 @@ class AsyncEngine:
                 item = await out.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise EngineError(item.error)
                 finished += item.finished
                 yield item
         finally:
@@ -76,9 +84,14 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for u in eng.step():
+                try:
+                    updates = eng.step()
+                except Exception as e:  # noqa: BLE001 - not one request's fault: fail those in flight, go on
+                    log.exception("engine step failed outside any one request; failing the requests in flight")
+                    updates = eng.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                for u in updates:
                     self._deliver(u.request_id, u)
-        except BaseException as e:  # noqa: BLE001 - surface to every waiting client, then stop
+        except BaseException as e:  # noqa: BLE001 - e.g. KeyboardInterrupt: surface to every waiting client, then stop
             log.exception("engine loop died")
             self.error = e
             for rid in list(self._streams):

@@ -8,18 +8,14 @@ hash first, then hashed ones least recently freed first, the tail of a freed cha
 
 from __future__ import annotations
 
-import array
 import collections
 import math
 
-import xxhash
-
+from torchbridge.block_hash import block_hash
 from torchbridge.serve.kv_events import KVEventLog
 from torchbridge.serve.sequence import Sequence
 
-
-def block_hash(parent: int, tokens: list[int]) -> int:
-    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + array.array("i", tokens).tobytes())
+__all__ = ["BlockManager", "block_hash"]
 
 
 class BlockManager:

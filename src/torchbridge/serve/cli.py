@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run every shape bucket once at start-up (default: with --shape-buckets)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies are refused with 413 before they are read (default 16 MiB)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="parse tool calls out of outputs in this format (vLLM's flag; needed for tool_choice auto)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\" (the model decides whether to call a tool)")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish /v1/kv_events")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
@@ -68,10 +74,15 @@ def main(argv: list[str]) -> int:
     if args.warmup if args.warmup is not None else config.shape_buckets:
         n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
         logging.getLogger(__name__).info("warmed up %d shape buckets", n)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("torchbridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     async_engine = AsyncEngine(engine)
     async_engine.start()
+    app = create_app(async_engine, args.api_key, args.max_request_bytes, args.tool_call_parser,
+                     args.enable_auto_tool_choice)
     try:
-        uvicorn.run(create_app(async_engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()
     return 0

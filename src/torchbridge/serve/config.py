@@ -57,7 +57,15 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        mc = cls.from_dict(json.loads(path.read_text()))
+        # generation_config.json may name more stop tokens (a chat model's end-of-turn), as vLLM reads it.
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            for t in [eos] if isinstance(eos, int) else list(eos or []):
+                if t not in mc.eos_token_ids:
+                    mc.eos_token_ids.append(t)
+        return mc
 
     @classmethod
     def from_dict(cls, c: dict) -> ModelConfig:

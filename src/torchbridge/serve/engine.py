@@ -8,6 +8,7 @@ thread for the HTTP server.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,14 @@ from torchbridge.serve.block_manager import BlockManager
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.kv_events import KVEventLog
 from torchbridge.serve.model_runner import ModelRunner
-from torchbridge.serve.sampler import Sampler, token_logprobs
-from torchbridge.serve.sampling_params import SamplingParams
+from torchbridge.serve.sampler import Sampled, Sampler, token_logprobs
+from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.scheduler import Scheduler
 from torchbridge.serve.sequence import Sequence, Status
 from torchbridge.serve.spec_decode import NgramProposer
 from torchbridge.serve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -58,6 +61,7 @@ class SeqUpdate:
     finish_reason: str | None
     stop_reason: int | str | None
     seq: Sequence
+    error: str | None = None  # the request failed inside the engine (finish_reason "error")
 
 
 @dataclass
@@ -85,20 +89,33 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, eos)
         self.proposer = NgramProposer(config.speculative_ngram, config.ngram_min, config.ngram_max) if config.speculative_ngram else None
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # structured_output.GrammarCompiler, made with the first constrained request
+        # Characters a prompt of max_model_len tokens can have at most, so that a longer text is refused
+        # without tokenizing it (tokenizing megabytes takes seconds and gigabytes).
+        self.max_prompt_chars = (
+            config.max_model_len * self.tokenizer.max_token_chars if self.tokenizer is not None else None
+        )
         self.stats = Stats()
         self.metrics = None  # set by the server: an object with observe_* hooks (see metrics.py)
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True,
+        strict_length: bool = False,
     ) -> Request:
         """Queue a prompt (text, or token ids). Chat prompts arrive as rendered template text, which
-        already holds its special tokens: pass add_special_tokens=False for them."""
+        already holds its special tokens: pass add_special_tokens=False for them. With strict_length a
+        max_tokens that cannot fit the context is refused (vLLM's server) instead of capped."""
         if request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request_id}")
+        max_len = self.config.max_model_len
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer; send token ids", "prompt")
+            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+                raise InvalidRequest(
+                    f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} "
+                    f"characters, more than {max_len} tokens of this tokenizer can hold", "prompt")
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens)
         else:
             prompt_ids = list(prompt)
@@ -107,14 +124,29 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-        max_len = self.config.max_model_len
+        try:
+            params.check_vocab(vocab)
+        except InvalidParam as e:
+            raise InvalidRequest(str(e), e.param) from None
         if len(prompt_ids) >= max_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)}", "prompt"
             )
+        if strict_length and params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise InvalidRequest(
+                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is {max_len} "
+                f"tokens and your request has {len(prompt_ids)} input tokens "
+                f"({params.max_tokens} > {max_len} - {len(prompt_ids)})", "max_tokens")
         if self.block_manager.blocks_for(len(prompt_ids) + 1) > self.config.num_blocks:
             raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) does not fit the KV cache", "prompt")
         seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
+        if params.guided is not None:
+            try:
+                params.guided = self.grammars.compile(params.guided)  # type: ignore[arg-type]
+            except InvalidParam as e:
+                raise InvalidRequest(str(e), e.param) from None
+            for s in seqs:
+                s.matcher = self.grammars.matcher(params.guided)  # type: ignore[arg-type]
         req = Request(request_id, prompt_ids, params, seqs)
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(prompt_ids) * params.n
@@ -132,11 +164,41 @@ class LLMEngine:
                 self.scheduler.remove(s)
                 s.status, s.finish_reason = Status.FINISHED, "abort"
 
+    @property
+    def grammars(self):  # noqa: ANN201 - structured_output.GrammarCompiler (xgrammar imported on first use)
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("structured outputs need the model's tokenizer", "response_format")
+            from torchbridge.serve.structured_output import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.config.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def fail_request(self, request_id: str, message: str) -> list[SeqUpdate]:
+        """End every unfinished sequence of a request with an error (a failure inside a step that
+        concerns it); its blocks go back to the pool, the rest of the engine carries on."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        out = []
+        for s in req.seqs:
+            if not s.is_finished:
+                self.scheduler.remove(s)
+                s.status, s.finish_reason = Status.FINISHED, "error"
+                out.append(SeqUpdate(s.request_id, s.index, [], "", [], True, "error", None, s, message))
+        return out
+
+    def fail_all(self, message: str) -> list[SeqUpdate]:
+        """Fail every request in the engine (a step failed outside any one request's part)."""
+        return [u for rid in list(self.requests) for u in self.fail_request(rid, message)]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
+        """One scheduled batch through the model and the sampler. A failure fails only the requests it
+        concerns: the model's, every request in the batch; a sampling or output failure, its request."""
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -144,9 +206,15 @@ class LLMEngine:
         if not batch.items:
             return updates
         self.stats.steps += 1
-        logits, rows = self.runner.run(batch)
+        try:
+            logits, rows = self.runner.run(batch)
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+            log.exception("model step failed; failing the %d request(s) in its batch", len(batch.items))
+            failed = {it.seq.request_id for it in batch.items}
+            return updates + [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
         new_tokens: dict[int, tuple[Sequence, list[int], list[dict]]] = {}
         plain: list[tuple[Sequence, int]] = []
+        failed: dict[str, str] = {}
         for it, (row, count) in zip(batch.items, rows, strict=True):
             seq = it.seq
             if seq.num_computed_tokens < seq.prompt_len:
@@ -155,16 +223,49 @@ class LLMEngine:
             if count == 0:
                 self.block_manager.commit(seq)
             elif it.draft_tokens:
-                new_tokens[seq.seq_id] = (seq, *self._verify(seq, it.draft_tokens, logits[row : row + count]))
+                try:
+                    new_tokens[seq.seq_id] = (seq, *self._verify(seq, it.draft_tokens, logits[row : row + count]))
+                except Exception as e:  # noqa: BLE001
+                    failed[seq.request_id] = self._failure("verifying drafts", e)
             else:
                 plain.append((seq, row))
-        if plain:
-            sampled = self.sampler.sample(logits[[r for _, r in plain]], [s for s, _ in plain])
-            for (seq, _), s in zip(plain, sampled, strict=True):
+        for (seq, _), s in zip(plain, self._sample(logits, plain), strict=True):
+            if isinstance(s, str):
+                failed[seq.request_id] = s
+            else:
                 new_tokens[seq.seq_id] = (seq, [s.token_id], [s.logprob] if s.logprob else [])
         for seq, toks, lps in new_tokens.values():
-            updates.append(self._append(seq, toks, lps))
+            if seq.request_id in failed:
+                continue
+            try:
+                updates.append(self._append(seq, toks, lps))
+            except Exception as e:  # noqa: BLE001
+                failed[seq.request_id] = self._failure("detokenizing", e)
+        for rid, message in failed.items():
+            updates += self.fail_request(rid, message)
         return updates
+
+    def _sample(self, logits: torch.Tensor, plain: list[tuple[Sequence, int]]) -> list[Sampled | str]:
+        """Sampled tokens of the plain rows, or an error message per row that failed. The batch is
+        sampled at once; only if that raises are the rows retried one by one to find the failing ones."""
+        if not plain:
+            return []
+        seqs = [s for s, _ in plain]
+        try:
+            out: list[Sampled | str] = list(self.sampler.sample(logits[[r for _, r in plain]], seqs))
+        except Exception:  # noqa: BLE001
+            out = []
+            for seq, r in plain:
+                try:
+                    out.append(self.sampler.sample(logits[[r]], [seq])[0])
+                except Exception as e:  # noqa: BLE001
+                    out.append(self._failure("sampling", e))
+        return [o.error if isinstance(o, Sampled) and o.error else o for o in out]
+
+    @staticmethod
+    def _failure(stage: str, e: Exception) -> str:
+        log.exception("%s failed for one request; failing it", stage)
+        return f"{stage} failed: {type(e).__name__}: {e}"
 
     def _propose(self) -> None:
         assert self.proposer is not None
@@ -213,6 +314,12 @@ class LLMEngine:
             if logprobs:
                 seq.logprobs.append(logprobs[i])
             self.stats.generation_tokens += 1
+            if seq.matcher is not None:
+                if not seq.matcher.accept_token(t):  # type: ignore[attr-defined]
+                    raise RuntimeError(f"token {t} is not allowed by the request's grammar")
+                if seq.matcher.is_terminated():  # type: ignore[attr-defined]
+                    finish = ("stop", None)  # the grammar accepted a stop token: the output is complete
+                    break
             if t in p.stop_token_ids:
                 finish = ("stop", t)
             elif not p.ignore_eos and t in self.eos_token_ids and seq.num_output_tokens > p.min_tokens:

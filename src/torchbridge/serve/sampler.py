@@ -1,8 +1,10 @@
-"""From logits to next tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""From logits to next tokens: logit bias, penalties, temperature, top-k / top-p / min-p, seeded
+sampling, logprobs.
 
 Rows are processed together where the operation is uniform and per row where it depends on the row's
 history (penalties) or random stream (a seeded request draws from its own generator, so its output does
-not depend on what else is in the batch).
+not depend on what else is in the batch). A row left with no token to choose (every logit -inf or NaN
+after its request's transforms) gets an error instead of a token; the other rows are unaffected.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from torchbridge.serve.sequence import Sequence
 class Sampled:
     token_id: int
     logprob: dict | None  # {"token": id, "logprob": x, "top": [(id, x), ...]} when requested
+    error: str | None = None  # set when no token could be chosen; token_id is then meaningless
+
+
+NO_TOKEN = "no token can be sampled: the request's settings leave every token with zero probability"
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -43,24 +49,52 @@ def token_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> dict:
     return {"token": token, "logprob": float(logprobs_row[token]), "top": top}
 
 
+def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's logit_bias, for all rows in one scatter-add."""
+    rows, cols, vals = [], [], []
+    for i, seq in enumerate(seqs):
+        for t, v in seq.params.logit_bias.items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(v)
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals, dtype=logits.dtype),
+                          accumulate=True)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids or [])
+        self._masks = None  # structured_output.TokenMasks, made with the first constrained row
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalties and min_tokens on a copy of the fp32 logits [rows, vocab]; one row per seq."""
-        if not any(s.params.has_penalties or s.params.min_tokens for s in seqs):
+        """Logit bias, penalties, min_tokens and grammar masks on a copy of the fp32 logits [rows, vocab];
+        one row per seq. The grammar mask comes last, so nothing a request adds can revive a token its
+        grammar forbids."""
+        biased = any(s.params.logit_bias for s in seqs)
+        constrained = any(s.matcher is not None for s in seqs)
+        if not biased and not constrained and not any(s.params.has_penalties or s.params.min_tokens for s in seqs):
             return logits
         logits = logits.clone()
+        if biased:
+            add_logit_bias(logits, seqs)
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.has_penalties:
                 apply_penalties(logits[i], seq)
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            # min_tokens yields to a grammar that has ended (it then allows only a stop token).
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens and not (
+                    seq.matcher is not None and seq.matcher.is_completed()):  # type: ignore[attr-defined]
                 banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
+        if constrained:
+            if self._masks is None:
+                from torchbridge.serve.structured_output import TokenMasks
+
+                self._masks = TokenMasks()
+            self._masks.apply(logits, [s.matcher for s in seqs])
         return logits
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
@@ -69,16 +103,25 @@ class Sampler:
             # Logprobs of the model's own distribution, before any sampling transform (vLLM's default).
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self.process(logits, seqs)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        best, tokens = logits.max(dim=-1)
+        # NaN compares false too: a row whose best logit is not above -inf has nothing to choose.
+        ok = (best > float("-inf")).tolist()
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and ok[i]]
         if random_rows:
             idx = torch.tensor(random_rows)
             probs = self._probs(logits[idx], [seqs[i] for i in random_rows])
+            valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
             for j, i in enumerate(random_rows):
+                if not valid[j]:
+                    ok[i] = False
+                    continue
                 gen = seqs[i].generator or self.generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         out = []
         for i, (seq, t) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+            if not ok[i]:
+                out.append(Sampled(-1, None, NO_TOKEN))
+                continue
             lp = None
             if raw_logprobs is not None and seq.params.logprobs is not None:
                 lp = token_logprobs(raw_logprobs[i], t, seq.params.logprobs)
@@ -88,8 +131,14 @@ class Sampler:
     @staticmethod
     def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        temp = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        # Finite temperatures beyond float32's range would make inf / inf = NaN below.
+        temp = torch.tensor([min(s.params.temperature, 1e30) for s in seqs], dtype=logits.dtype)
         logits = logits / temp[:, None]
+        posinf = torch.isposinf(logits)
+        inf_rows = posinf.any(dim=-1)
+        if bool(inf_rows.any()):
+            # An extreme penalty or bias sent some logits to +inf: the choice is uniform among them.
+            logits = torch.where(inf_rows[:, None], torch.where(posinf, 0.0, float("-inf")), logits)
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):

@@ -55,6 +55,8 @@ class Sequence:
         self.emitted_text_len = 0
         self.num_emitted_tokens = 0
         self.draft_tokens: list[int] = []
+        # The grammar matcher of a constrained request (structured_output), set by the engine.
+        self.matcher: object | None = None
 
     @property
     def output_ids(self) -> list[int]:

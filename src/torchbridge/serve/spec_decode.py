@@ -26,7 +26,9 @@ class NgramProposer:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return p.greedy and not p.has_penalties and not p.min_tokens
+        # Drafts are verified against the model's raw greedy choice: requests whose logits are transformed
+        # (penalties, min_tokens, logit bias, a grammar) decode one token at a time.
+        return p.greedy and not p.has_penalties and not p.min_tokens and not p.logit_bias and p.guided is None
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         k = min(self.k, limit)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from torchbridge.route.index import block_hashes
-from torchbridge.route.tokenize import ChunkTokenizer, make_tokenizer, request_tokens
+from torchbridge.route.prompt_tokens import ChunkTokenizer, make_tokenizer, request_tokens
 
 
 def test_chunk_tokenizer_values() -> None:
