@@ -422,7 +422,10 @@ def _run_with_generator(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
 def register_kernels() -> None:
     """Import the lowering modules (they fill the table) and claim the ops they list in KERNEL_OVERRIDES."""
     global _override_lib
-    from torchbridge.device import lowerings  # noqa: F401
+    from torchbridge.device import aten_kernels, grouped_mm, lowerings  # noqa: F401
+
+    aten_kernels.register()
+    grouped_mm.register()
 
     if _override_lib is None:
         # Each kernel is native.fast_call(op, ...): repeat calls are served in C++, the rest reach `fallback`.

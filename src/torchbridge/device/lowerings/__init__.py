@@ -7,7 +7,6 @@ from torchbridge.device.lowerings import (
     distance,  # noqa: F401
     elementwise,  # noqa: F401
     embedding_bag,  # noqa: F401
-    extra,  # noqa: F401
     foreach,  # noqa: F401
     grid_sampler,  # noqa: F401
     histogram,  # noqa: F401
@@ -17,6 +16,7 @@ from torchbridge.device.lowerings import (
     linalg_eig,  # noqa: F401
     linalg_lstsq,  # noqa: F401
     margin_loss,  # noqa: F401
+    moe,  # noqa: F401
     nn,  # noqa: F401
     nonzero_static,  # noqa: F401
     prims,  # noqa: F401

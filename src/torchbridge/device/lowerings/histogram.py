@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import torch
 
 from torchbridge.device.lowerings.registry import ctx, lower
 
@@ -139,52 +138,3 @@ def histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=Fal
 def histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
     x = _rows(self, self.shape[-1])
     return _hist(x, [b.astype(x.dtype) for b in bins], weight, density)
-
-
-# ---- Meta kernels (PyTorch has none for these) ----
-def _check_float(self: torch.Tensor, name: str) -> None:
-    torch._check(self.dtype.is_floating_point,
-                 lambda: f"torch.{name}: input tensor and bins tensors should have the same dtype, "
-                         f"but got input {self.dtype}")
-
-
-def _hist_meta_bin_ct(self, bins=100, *, range=None, weight=None, density=False):  # noqa: A002
-    _check_float(self, "histogram")
-    torch._check(bins > 0, lambda: f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
-    return self.new_empty((bins,)), self.new_empty((bins + 1,))
-
-
-def _hist_meta_bins_tensor(self, bins, *, weight=None, density=False):
-    _check_float(self, "histogram")
-    torch._check(bins.dim() == 1, lambda: "torch.histogram(): bins tensor should have one dimension")
-    return self.new_empty((max(bins.numel() - 1, 0),)), self.new_empty((bins.numel(),))
-
-
-def _dd_check(self: torch.Tensor, n: int) -> None:
-    _check_float(self, "histogramdd")
-    torch._check(self.dim() >= 2, lambda: "torch.histogramdd: input tensor should have at least 2 dimensions")
-    torch._check(self.shape[-1] == n, lambda: f"torch.histogramdd: expected {self.shape[-1]} sequences of bin "
-                                              f"edges for each dimension of the input, but got {n}")
-
-
-def _dd_edges_meta(self, bins, *, range=None, weight=None, density=False):  # noqa: A002
-    _dd_check(self, len(bins))
-    return [self.new_empty((b + 1,)) for b in bins]
-
-
-def _dd_cts_meta(self, bins, *, range=None, weight=None, density=False):  # noqa: A002
-    _dd_check(self, len(bins))
-    return self.new_empty(tuple(bins))
-
-
-def _dd_tensors_meta(self, bins, *, weight=None, density=False):
-    _dd_check(self, len(bins))
-    return self.new_empty(tuple(max(b.numel() - 1, 0) for b in bins))
-
-
-_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds Meta kernels to aten ops
-_meta_lib.impl("histogram.bin_ct", _hist_meta_bin_ct, "Meta")
-_meta_lib.impl("histogram.bins_tensor", _hist_meta_bins_tensor, "Meta")
-_meta_lib.impl("_histogramdd_bin_edges", _dd_edges_meta, "Meta")
-_meta_lib.impl("_histogramdd_from_bin_cts", _dd_cts_meta, "Meta")
-_meta_lib.impl("_histogramdd_from_bin_tensors", _dd_tensors_meta, "Meta")

@@ -12,32 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from torchbridge.device.lowerings.registry import ctx, lower
-
-# geqrf has no Meta kernel, which the dispatcher needs for the output metadata. Shapes as on the
-# CPU: the factored matrix keeps the input's shape (column-major, as LAPACK writes it) and tau has
-# min(m, n) entries per matrix.
-_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds a Meta kernel to an aten op
-
-
-def _geqrf_meta(a):
-    m, n = a.shape[-2], a.shape[-1]
-    factored = torch.empty(a.shape[:-2] + (n, m), dtype=a.dtype, device="meta").mT
-    return factored, torch.empty(a.shape[:-2] + (min(m, n),), dtype=a.dtype, device="meta")
-
-
-def _geqrf_out_meta(self, *, a, tau):
-    factored, t = _geqrf_meta(self)
-    a.resize_(factored.shape)
-    tau.resize_(t.shape)
-    return a, tau
-
-
-_meta_lib.impl("geqrf", _geqrf_meta, "Meta")
-_meta_lib.impl("geqrf.a", _geqrf_out_meta, "Meta")
 
 
 def _geqrf_one(a):

@@ -17,27 +17,8 @@ do, so they are returned (as ||A x - B||^2 of the minimum-norm solution).
 from __future__ import annotations
 
 import jax.numpy as jnp
-import torch
 
 from torchbridge.device.lowerings.registry import ctx, lower
-
-_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds a Meta kernel to an aten op
-
-
-def _lstsq_out_meta(self, b, rcond=None, *, driver=None, solution, residuals, rank, singular_values):
-    driver = driver or "gelsy"
-    m, n = self.shape[-2], self.shape[-1]
-    vector = b.dim() == 1 or (b.dim() == self.dim() - 1 and b.shape == self.shape[:-1])
-    k = 1 if vector else b.shape[-1]
-    batch = torch.broadcast_shapes(self.shape[:-2], b.shape[:-1] if vector else b.shape[:-2])
-    solution.resize_(batch + ((n,) if vector else (n, k)))
-    residuals.resize_(batch + (k,) if m > n and driver != "gelsy" else (0,))
-    rank.resize_(batch if driver != "gels" else (0,))
-    singular_values.resize_(batch + (min(m, n),) if driver in ("gelsd", "gelss") else (0,))
-    return solution, residuals, rank, singular_values
-
-
-_meta_lib.impl("linalg_lstsq.out", _lstsq_out_meta, "Meta")
 
 
 def _mH(x):

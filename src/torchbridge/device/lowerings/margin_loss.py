@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 
 from torchbridge.device.lowerings.nn import _MEAN, _reduce
 from torchbridge.device.lowerings.registry import ctx, lower
@@ -90,28 +89,3 @@ def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_tar
     dt = ctx().out_dtypes[0]
     x2, count = _multilabel_parts(self, target, dt)
     return _grad_of(_multilabel_loss(self, count, reduction, dt), x2, grad_output).reshape(self.shape)
-
-
-def _grad_input_meta(grad_output, self, *args, **kwargs):
-    return torch.empty_like(self)
-
-
-_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds Meta kernels to aten ops
-_meta_lib.impl("multi_margin_loss_backward", _grad_input_meta, "Meta")
-_meta_lib.impl("multilabel_margin_loss_backward", _grad_input_meta, "Meta")
-
-
-# PyTorch's meta kernel sizes the unreduced loss of a 1-D input as (1,); the CPU kernel returns a 0-dim
-# tensor. The device kernel runs the lowering, then views the loss as the CPU shapes it.
-def _multilabel_forward_kernel(self: torch.Tensor, target: torch.Tensor, reduction: int) -> tuple:
-    from torchbridge.device import native  # this module loads before the extension is built
-
-    out, is_target = native.load().fast_call(torch.ops.aten.multilabel_margin_loss_forward.default, self, target,
-                                             reduction)
-    if reduction == _NONE and self.dim() <= 1 and out.dim() == 1:
-        out = out.view(())
-    return out, is_target
-
-
-_kernel_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a device kernel for an aten op
-_kernel_lib.impl("multilabel_margin_loss_forward", _multilabel_forward_kernel, "PrivateUse1")

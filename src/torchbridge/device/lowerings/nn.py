@@ -13,7 +13,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from jax import lax
 
 from torchbridge.device.lowerings.registry import KERNEL_OVERRIDES, ctx, lower
@@ -490,43 +489,6 @@ def batch_norm_with_update(input, weight, bias, running_mean, running_var, momen
     return (out, _fit(mean, 1), _fit(invstd, 2), jnp.zeros(_out_shape(3), jnp.uint8)), _stats(rm, rv)
 
 
-# In eval mode the CPU kernels return save_mean/save_invstd of shape (0,) (CUDA's return the running
-# stats, (C,)); the meta kernels, and so the lowerings above, give (C,). Eager conformance is against the
-# CPU, so the device kernels of these ops run the lowering and then swap those two outputs for empty
-# tensors of the CPU's dtype. The backward ops ignore them in eval mode. Under torch.compile nothing
-# changes: FakeTensorMode never reaches these kernels.
-def _eval_batch_norm_kernel(op, training_at: int | None):
-    def kernel(*args, **kwargs):
-        from torchbridge.device import native  # this module loads before the extension is built
-
-        out, mean, invstd = native.load().fast_call(op, *args, **kwargs)[:3]
-        if training_at is None:
-            training = False
-        else:
-            training = args[training_at] if len(args) > training_at else kwargs["training"]
-        if training:
-            return out, mean, invstd
-        running_mean = args[3] if len(args) > 3 else kwargs.get("running_mean")
-        # The CPU gives its saved stats the input's dtype, or float32 for a half input with float32 stats.
-        dt = running_mean.dtype if running_mean is not None else args[0].dtype
-        return out, mean.new_empty((0,), dtype=dt), invstd.new_empty((0,), dtype=dt)
-
-    return kernel
-
-
-def _register_eval_batch_norm_kernels() -> None:
-    aten = torch.ops.aten
-    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - device kernels for existing aten ops
-    lib.impl("native_batch_norm", _eval_batch_norm_kernel(aten.native_batch_norm.default, 5), "PrivateUse1")
-    lib.impl("_native_batch_norm_legit",
-             _eval_batch_norm_kernel(aten._native_batch_norm_legit.default, 5), "PrivateUse1")
-    lib.impl("_native_batch_norm_legit_no_training",
-             _eval_batch_norm_kernel(aten._native_batch_norm_legit_no_training.default, None), "PrivateUse1")
-    _libraries.append(lib)
-
-
-_libraries: list = []  # kept alive for the process: dropping a Library unregisters its kernels
-_register_eval_batch_norm_kernels()
 
 
 def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,

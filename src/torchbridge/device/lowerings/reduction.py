@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from torchbridge.device.lowerings.core import reduction_axes
@@ -292,15 +291,6 @@ def cummax(a, dim):
 @lower("cummin")
 def cummin(a, dim):
     return _cum_ext(a, dim, False)
-
-
-# cummax/cummin resize their outputs, then call these helpers to fill them. The helpers have no
-# Meta kernel, which the dispatcher needs for output metadata: they return nothing and only write
-# into already-sized outputs, so the Meta kernel is a no-op.
-_meta_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - adds Meta kernels to aten ops
-for _helper in ("_cummax_helper", "_cummin_helper"):
-    _meta_lib.impl(_helper, lambda *args, **kwargs: None, "Meta")
-_meta_lib.impl("_logcumsumexp", lambda a, dim: torch.empty_like(a), "Meta")
 
 
 @lower("_cummax_helper", mutates=("values", "indices"))

@@ -9,7 +9,6 @@ aliasing away, so a view is just a new value computed from its base.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from torchbridge.device import views
@@ -160,33 +159,3 @@ def narrow(a, dim, start, length):
 @lower("view_as", "expand_as")
 def view_as(a, other):
     return jnp.broadcast_to(a, other.shape) if a.size != other.size else a.reshape(other.shape)
-
-
-# ---- eager kernels for the complex <-> real views -----------------------------------------------
-
-def _meta_view(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with `t`'s sizes, strides, offset and dtype (for PyTorch's own checks)."""
-    need = t.storage_offset() + views.storage_numel(tuple(t.shape), tuple(t.stride()))
-    return torch.empty((need,), dtype=t.dtype, device="meta").as_strided(t.shape, t.stride(), t.storage_offset())
-
-
-def _view_as_real_kernel(a: torch.Tensor) -> torch.Tensor:
-    torch._check(not a.is_conj(), lambda: "view_as_real doesn't work on unresolved conjugated tensors.  "
-                 "To resolve the conjugate tensor so you can view it as real, use self.resolve_conj(); "
-                 "however, be warned that the resulting tensor will NOT alias the original.")
-    torch.view_as_real(_meta_view(a))  # PyTorch's checks and errors
-    # (..., 1) complex with a unit last stride, viewed as its real dtype: (..., 2), strides and offset
-    # doubled, sharing the storage; exactly view_as_real's layout.
-    return a.unsqueeze(-1).view(_REAL_OF[a.dtype])
-
-
-def _view_as_complex_kernel(a: torch.Tensor) -> torch.Tensor:
-    out = torch.view_as_complex(_meta_view(a))  # PyTorch's checks and errors
-    # Its checks (last dim 2 with stride 1, even strides and offset) are view(dtype)'s conditions.
-    return a.view(out.dtype).squeeze(-1)
-
-
-_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}
-_library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kept alive for the process
-_library.impl("view_as_real", _view_as_real_kernel, "PrivateUse1")
-_library.impl("view_as_complex", _view_as_complex_kernel, "PrivateUse1")
