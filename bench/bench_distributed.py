@@ -140,6 +140,18 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
     for arm in times:  # warm-up: compiles and the first steps
         for _ in range(3):
             losses[arm] = step(arm)
+    if os.environ.get("BENCH_PROFILE"):  # where a step's time goes, per arm (rank 0 prints)
+        import cProfile
+        import pstats
+
+        for arm in times:
+            prof = cProfile.Profile()
+            prof.enable()
+            step(arm)
+            prof.disable()
+            if rank == 0:
+                print(f"==== {arm}")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
     for _ in range(rounds):
         for arm in times:
             dist.barrier()
@@ -155,7 +167,9 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
 
 # ---- driver --------------------------------------------------------------------------------------
 def _launch(nproc: int, args: list[str], port: int) -> None:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={nproc}", "OMP_NUM_THREADS": "1"}
+    extra = os.environ.get("BENCH_XLA_FLAGS", "")  # e.g. threading flags to compare
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={nproc} {extra}".strip(),
+           "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={port}", __file__, *args]
     subprocess.run(cmd, env=env, check=True, timeout=3600)

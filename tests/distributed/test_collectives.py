@@ -7,9 +7,12 @@ import pytest
 from launch import PORTS, results, torchrun
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_collectives_match_gloo_on_cpu(tmp_path, nproc):
-    torchrun("collectives.py", nproc, PORTS["collectives"] + nproc, tmp_path, timeout=400)
+@pytest.mark.parametrize(("nproc", "transport"), [(2, "xla"), (4, "xla"), (2, "host")])
+def test_collectives_match_gloo_on_cpu(tmp_path, nproc, transport):
+    """transport "xla" (the default): XLA collectives; "host" (TORCHBRIDGE_COLLECTIVES=host): host copies
+    through PyTorch's gloo, XLA's for what gloo cannot do (PREMUL_SUM, uneven all_to_all lists)."""
+    torchrun("collectives.py", nproc, PORTS["collectives"] + nproc + (4 if transport == "host" else 0), tmp_path,
+             timeout=400, env={"TORCHBRIDGE_COLLECTIVES": transport})
     per_rank = results(tmp_path, nproc)
     names = [c[0] for c in per_rank[0]["cases"]]
     # the worker covers every collective the issue lists, each op and several dtypes

@@ -78,6 +78,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         self._group_ranks = group_ranks
         self._name = ""
         self._p2p: list[tuple[int, int, torch.Tensor]] = []
+        self._host = host_transport()
 
     # ---- identity ------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
@@ -376,3 +377,74 @@ def create(options: Any, backend_options: Any = None) -> DeviceProcessGroup:
 # c10d calls these from C++, also in the eager part of a compiled region (DDP's reducer broadcasting
 # buckets): Dynamo must run them, not trace them.
 skip_dynamo(*(fn for fn in vars(DeviceProcessGroup).values() if callable(fn) and hasattr(fn, "__code__")))
+
+
+# ---- TORCHBRIDGE_COLLECTIVES=host: device tensors through gloo on host copies -------------------------
+# Not the default (the default is XLA collectives, which on TPU run over ICI): a switch for JAX's CPU
+# platform, where XLA's gloo transport is slower than PyTorch's (docs/benchmarks/distributed.md). Each
+# collective copies its device tensors to the host, runs PyTorch's gloo, and copies them back.
+_GLOO_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+               "all_to_all_single": "alltoall_base"}
+_HOSTED = ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+           "all_gather_single", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "alltoall_base",
+           "all_to_all_single", "alltoall", "scatter", "gather", "send", "recv")
+
+
+def host_transport() -> bool:
+    return os.environ.get("TORCHBRIDGE_COLLECTIVES", "xla") == "host"
+
+
+def _through_host(method: Any, name: str) -> Any:
+    gloo_name = _GLOO_NAMES.get(name, name)
+
+    def run(self: DeviceProcessGroup, *args: Any) -> Any:
+        tensors = _tensors(args)
+        if not self._host or not _on_device(tensors) or _needs_xla(name, args):
+            return method(self, *args)
+        self._mesh(tensors)  # the same one-device-per-rank check as the default transport
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def to_host(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.device.type == STATE.name:
+                pairs.append((x, x.cpu()))
+                return pairs[-1][1]
+            return [to_host(v) for v in x] if isinstance(x, list) else x
+
+        host_args = [to_host(a) for a in args]
+        if not pairs:
+            return method(self, *args)
+        work = getattr(self._gloo, gloo_name)(*host_args)
+
+        def finish(timeout: Any = None) -> bool:
+            work.wait()
+            with torch.no_grad():
+                for dev, host in pairs:
+                    dev.copy_(host)
+            return True
+
+        if name in ("send", "recv"):  # a transfer completes when both ends are posted: on wait()
+            return C10D.PythonCallbackWork(finish)
+        finish()
+        return _done([dev for dev, _ in pairs])
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
+
+
+def _needs_xla(name: str, args: tuple) -> bool:
+    """What PyTorch's gloo cannot do stays on XLA's collectives: PREMUL_SUM, all_to_all of uneven tensors."""
+    op = getattr(args[-1], "reduceOp", None) if args else None
+    if op is not None and (op if isinstance(op, dist.ReduceOp.RedOpType) else op.op) == dist.ReduceOp.PREMUL_SUM:
+        return True
+    return name == "alltoall" and len({t.numel() for t in _tensors(args)}) > 1
+
+
+for _name in _HOSTED:
+    setattr(DeviceProcessGroup, _name, _through_host(vars(DeviceProcessGroup)[_name], _name))
+skip_dynamo(*(getattr(DeviceProcessGroup, n) for n in _HOSTED))
