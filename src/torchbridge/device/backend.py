@@ -22,7 +22,7 @@ def register(name: str = "tpu") -> None:
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
     _enable_persistent_cache()
-    from torchbridge.device import device_module, dispatch, host_calls, native, ops
+    from torchbridge.device import custom_ops, device_module, dispatch, host_calls, native, ops
 
     mod = native.load()
     host_calls.register(mod)
@@ -36,6 +36,7 @@ def register(name: str = "tpu") -> None:
     _aten_library.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "PrivateUse1")
     ops.register_kernels()
     dispatch.install_fast_path(ops.fallback)
+    custom_ops.bind_pending()  # torchbridge.kernel ops defined before the device registered
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
     # pyproject.toml, so importing torchbridge does not import Dynamo.
