@@ -86,8 +86,10 @@ class Kernel:
             return pytree.tree_unflatten(list(res), self._out_spec(args, kwargs))
         return res
 
+    @torch._dynamo.disable  # plain Python under torch.compile too (a graph break, then the graph goes on)
     def _out_spec(self, args: tuple, kwargs: dict) -> Any:
-        """The result's pytree structure, from jax.eval_shape (cached per argument layout)."""
+        """The result's pytree structure, from jax.eval_shape (cached per argument layout), as a
+        torch TreeSpec whose leaf order is JAX's (the order the op returns the leaves in)."""
         values = self.sig.bind(args, kwargs)
         leaves, spec = pytree.tree_flatten(values)
         key = (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves))
@@ -97,7 +99,7 @@ class Kernel:
                                        if isinstance(v, torch.Tensor) else v, values)
             out = jax.eval_shape(lambda a: self.sig.split_result(self.sig.call(self.fn, {**abstract, **a}))[0],
                                  {p.name: abstract[p.name] for p in self.sig.params if p.kind != "scalar"})
-            found = self._out_specs[key] = pytree.tree_flatten(out)[1]
+            found = self._out_specs[key] = pytree.tree_structure(jax.tree.map(lambda _: 0, out))
         return found
 
     # -- autograd ---------------------------------------------------------------------------------

@@ -238,8 +238,8 @@ class Signature:
 
     def flatten_result(self, outs: Any) -> Any:
         """Outputs in the op's return form (a pytree result becomes its list of leaves)."""
-        if self.result == "tree":
-            return pytree.tree_flatten(outs)[0]
+        if self.result == "tree":  # JAX's flattening (dict keys sorted), as the caller's unflattening
+            return jax.tree.leaves(outs)
         if self.result == "tuple":
             if not (isinstance(outs, (tuple, list)) and len(outs) == self.n_results):
                 raise TypeError(f"{self.kernel}: expected a tuple of {self.n_results} arrays, got {type(outs).__name__}")
