@@ -51,3 +51,24 @@ def test_steady_state_serving_does_not_recompile(device_llm: LLM, llama_dir: Pat
     outs = device_llm.generate(prompts, params)
     assert _compiles() == before
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
+
+
+def test_the_model_calls_the_shipped_kernels_on_the_device(device_llm: LLM) -> None:
+    """Greedy tokens above are unchanged with the kernels on (the default); here: they really ran."""
+    from torchbridge.kernels import paged_attention, rms_norm, rotary, swiglu
+
+    for k in (rms_norm.rms_norm, rms_norm.add_rms_norm, rotary.rotary, swiglu.swiglu, paged_attention.paged_attention):
+        assert k._forward.traces > 0, k.name
+
+
+def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchbridge.serve.models.llama import KERNELS, enabled_kernels
+
+    assert enabled_kernels() == frozenset(KERNELS)
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "0")
+    assert enabled_kernels() == frozenset()
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "rotary,swiglu")
+    assert enabled_kernels() == {"rotary", "swiglu"}
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "flash")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        enabled_kernels()
