@@ -1,14 +1,15 @@
 """Custom kernels (`torchbridge.kernel`): what calling one costs, in eager mode and in compiled graphs.
 
-    python bench/bench_kernels.py [--rounds 5] [--iters 200] [--engine] [--write docs/benchmarks/kernels.md]
+    python bench/bench_kernels.py [--rounds 5] [--iters 200] [--write docs/benchmarks/kernels.md]
+    python bench/bench_kernels.py --engine [--engine-rounds 2] [--write docs/benchmarks/kernels-engine.md]
 
 1. Eager call overhead: a user kernel computing x * 2 (jnp) against the built-in `x * 2` of the
    same size on the device (same XLA work: the difference is the call path), and each shipped
    kernel against one built-in op of its output size and against the PyTorch ops it replaces.
 2. Compiled graphs: a graph around each shipped kernel against the same graph with the PyTorch ops.
 3. Pallas interpret mode against the jnp reference, both jitted on JAX's CPU (the simulator's cost).
-4. --engine: the engine on the device (compiled steps, the bundled model) with the kernels on and
-   off, in alternating subprocesses: decode tokens/s.
+4. --engine (instead of 1-3): the engine on the device (compiled steps, the bundled model) with the
+   kernels on and off, in alternating subprocesses: tokens/s, and greedy tokens against Hugging Face.
 Arms alternate within every round; per arm the median over a round's repeats; ratios are given as
 the range over rounds. Device results are synchronised once per measurement.
 """
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--engine", action="store_true", help="also the engine with kernels on/off (minutes)")
+    ap.add_argument("--engine", action="store_true", help="only the engine with kernels on/off (minutes)")
     ap.add_argument("--engine-rounds", type=int, default=2)
     ap.add_argument("--engine-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--write", default=None)
@@ -267,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         engine_worker(args.engine_worker)
         return 0
     load_before = os.getloadavg()
-    sections = [("Eager call overhead", eager_overhead(args)), ("Compiled graphs", compiled_graphs(args)),
-                ("Pallas interpret mode vs jnp on this CPU", interpret_cost(args))]
     if args.engine:
-        sections.append(("The engine with the shipped kernels", engine(args)))
+        sections = [("The engine with the shipped kernels", engine(args))]
+    else:
+        sections = [("Eager call overhead", eager_overhead(args)), ("Compiled graphs", compiled_graphs(args)),
+                    ("Pallas interpret mode vs jnp on this CPU", interpret_cost(args))]
     load_after = os.getloadavg()
     body = "\n\n".join(f"## {title}\n\n{table}" for title, table in sections)
     print(body)
@@ -280,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                f"jax {jax.__version__}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
                "(the machine is shared)")
         Path(args.write).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write).write_text(f"# Custom kernels\n\nCommand: `{cmd}`\n\nMachine: {env}. {args.rounds} rounds, arms "
-                                    f"alternating within each round (3 repeats of {args.iters} calls per arm and round)."
-                                    f"\n\n{body}\n")
+        method = (f"The two arms alternate, {args.engine_rounds} runs each, every run a fresh process." if args.engine else
+                  f"{args.rounds} rounds, arms alternating within each round (3 repeats of {args.iters} calls per arm"
+                  " and round).")
+        Path(args.write).write_text(f"# Custom kernels\n\nCommand: `{cmd}`\n\nMachine: {env}. {method}\n\n{body}\n")
     return 0
 
 
