@@ -291,5 +291,10 @@ def test_bad_definitions_are_rejected_with_the_kernel_name():
         def bad2(x: jax.Array) -> None:
             return {}
 
+    with pytest.raises(TypeError, match="kapi::bad4: a kernel needs at least one array argument"):
+        @torchbridge.kernel("kapi::bad4")
+        def bad4(n: int) -> jax.Array:
+            return jnp.zeros(n)
+
     with pytest.raises(ValueError, match="must not end in '_'"):
         torchbridge.kernel("kapi::bad3_")(lambda x: x)

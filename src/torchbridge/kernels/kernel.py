@@ -56,12 +56,14 @@ class Kernel:
         self.fn = fn
         self.reference = reference
         self.sig = Signature.of(fn, qualname, tuple(mutates_args), tuple(static_argnames))
+        if all(p.kind == "scalar" for p in self.sig.params):  # outputs take the device of an input array
+            raise TypeError(f"torchbridge.kernel {qualname}: a kernel needs at least one array argument")
         self._forward = JaxOp(qualname, self.sig, lambda values: self.sig.call(self.fn, values), interpret)
         self.op = self._forward.op
         self._backward_fn: Callable[..., Any] | None = None
         self._backward: JaxOp | None = None
         self._out_specs: dict[Any, Any] = {}
-        if not self.sig.mutates and any(p.kind != "scalar" for p in self.sig.params):
+        if not self.sig.mutates:
             bwd_params = (Param("_cotangents", "list", list[torch.Tensor]), *self.sig.params)
             bwd_sig = Signature.build(f"{qualname}_backward", bwd_params, "list", ())
             self._backward = JaxOp(f"{qualname}_backward", bwd_sig, self._vjp, interpret)
@@ -86,7 +88,7 @@ class Kernel:
             return pytree.tree_unflatten(list(res), self._out_spec(args, kwargs))
         return res
 
-    @torch._dynamo.disable  # plain Python under torch.compile too (a graph break, then the graph goes on)
+    @torch.compiler.disable  # plain Python under torch.compile too (a graph break, then the graph goes on)
     def _out_spec(self, args: tuple, kwargs: dict) -> Any:
         """The result's pytree structure, from jax.eval_shape (cached per argument layout), as a
         torch TreeSpec whose leaf order is JAX's (the order the op returns the leaves in)."""
@@ -108,7 +110,7 @@ class Kernel:
         like its argument; `cotangent` has the result's structure and the args are the kernel's own
         (JAX arrays and scalars). Replaces the default, jax.vjp of `reference=` or of the kernel."""
         if self._backward is None:
-            raise TypeError(f"{self.name}: a kernel that mutates its arguments or takes no arrays has no backward")
+            raise TypeError(f"{self.name}: a kernel that mutates its arguments has no backward")
         self._backward_fn = fn
         return fn
 
