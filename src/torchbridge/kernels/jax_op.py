@@ -59,7 +59,6 @@ class JaxOp:
         self.sig = sig
         self._apply = apply
         self._interpret = interpret
-        self.traces = 0  # programs (eager or compiled) this op was traced into
         self.op_def = torch.library.custom_op(qualname, self._cpu_kernel, mutates_args=sig.mutates, schema=sig.schema)
         self.op: torch._ops.OpOverload = self.op_def._opoverload
         self.op_def.register_fake(self._fake)
@@ -79,7 +78,6 @@ class JaxOp:
     def lowering(self, *args: Any, **kwargs: Any) -> Any:
         """The registry's lowering: eager dispatch and compiled graphs call this inside their trace."""
         interpret = self._interpret if self._interpret is not None else STATE.platform == "cpu"
-        self.traces += 1
         return self.run(self.sig.bind(args, kwargs), interpret)
 
     def _fake(self, *args: Any, **kwargs: Any) -> Any:
