@@ -56,5 +56,14 @@ def set_matmul_precision(precision: str) -> None:
     dispatch.clear_cache()
 
 
+def __getattr__(name: str) -> Any:
+    # `torchbridge.kernel` imports the kernels package (and so JAX and the lowering table) on first use only.
+    if name in ("kernel", "kernels"):
+        import torchbridge.kernels as kernels
+
+        return kernels.kernel if name == "kernel" else kernels
+    raise AttributeError(f"module 'torchbridge' has no attribute '{name}'")
+
+
 __all__ = ["__version__", "device_name", "metrics", "register", "registration_error", "set_cpu_fallback", "set_eager_mode",
            "set_matmul_precision"]

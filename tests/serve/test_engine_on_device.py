@@ -51,3 +51,35 @@ def test_steady_state_serving_does_not_recompile(device_llm: LLM, llama_dir: Pat
     outs = device_llm.generate(prompts, params)
     assert _compiles() == before
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
+
+
+def test_the_model_calls_the_shipped_kernels_on_the_device(device_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy tokens above are unchanged with the kernels on (the default); here: they really run.
+    Counted op by op (a compiled step does not re-enter Python; its model code is the same)."""
+    if device_llm.engine.config.compile_model:
+        pytest.skip("compiled steps run without re-entering the model's Python code")
+    from torchbridge.kernels import paged_attention, rms_norm, rotary, swiglu
+
+    calls: dict[str, int] = {}
+    for module, name in ((rms_norm, "rms_norm"), (rms_norm, "add_rms_norm"), (rotary, "rotary"), (swiglu, "swiglu"),
+                         (paged_attention, "paged_attention")):
+        def counted(*a, _real=getattr(module, name), _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+    device_llm.generate(mixed_prompts(1, hi=8), SamplingParams(temperature=0, max_tokens=3))
+    assert set(calls) == {"rms_norm", "add_rms_norm", "rotary", "swiglu", "paged_attention"}, calls
+
+
+def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchbridge.serve.models.llama import KERNELS, enabled_kernels
+
+    assert enabled_kernels() == frozenset(KERNELS)
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "0")
+    assert enabled_kernels() == frozenset()
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "rotary,swiglu")
+    assert enabled_kernels() == {"rotary", "swiglu"}
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "flash")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        enabled_kernels()

@@ -22,7 +22,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.node import map_arg
 
-from torchbridge.compile import patterns, spmd
+from torchbridge.compile import functionalized, patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.state import STATE
@@ -298,6 +298,8 @@ class GraphProgram:
             return args[0][args[1]]
         if target is torch.ops.aten.copy_.default:  # an input mutation: applied after the graph
             return _cast_like(args[1], node.meta.get("val"))
+        if target in functionalized.HOPS:  # a custom op (torchbridge.kernel) writing its arguments
+            return _cast_like(_traced(node, functionalized.run, (node, args[0], kwargs), {}), node.meta.get("val"))
         if not isinstance(target, torch._ops.OpOverload):
             raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target}")
         lowering = registry.find(target)
@@ -483,6 +485,8 @@ def _scatters_into(src: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
     """The written value is a scatter-style op (index_copy, index_put, slice_scatter...) into a view
     of the same input: only a few of its elements change."""
     producer = _through_views(src)
+    if functionalized.writes_into(producer, placeholder):
+        return True
     return (isinstance(producer, torch.fx.Node) and producer.op == "call_function"
             and producer.target in _SCATTER_OPS and _through_views(producer.args[0]) is placeholder)
 

@@ -23,7 +23,7 @@ def register(name: str = "tpu") -> None:
     # int64/float64 must stay 64-bit, as on CPU.
     jax.config.update("jax_enable_x64", True)
     _enable_persistent_cache()
-    from torchbridge.device import device_module, dispatch, host_calls, native, ops
+    from torchbridge.device import custom_ops, device_module, dispatch, host_calls, native, ops
 
     mod = native.load()
     host_calls.register(mod)
@@ -43,6 +43,7 @@ def register(name: str = "tpu") -> None:
     # autocast on the device defaults to bfloat16, the dtype TPUs compute in (CUDA's default is float16)
     torch.set_autocast_dtype(name, torch.bfloat16)
     dispatch.install_fast_path(ops.fallback)
+    custom_ops.bind_pending()  # torchbridge.kernel ops defined before the device registered
     STATE.registered = True
     # torch.compile(backend="tpu") is found through the `torch_dynamo_backends` entry points in
     # pyproject.toml, so importing torchbridge does not import Dynamo.

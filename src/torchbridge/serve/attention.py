@@ -19,6 +19,7 @@ The paged cache stays the source of truth (prefix caching, preemption, chunks al
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -171,9 +172,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     layer: int = 0,
+    decode_kernel: Any = None,
 ) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D].
-    `layer` picks the layer's buffers of a decode workspace."""
+    `layer` picks the layer's buffers of a decode workspace. `decode_kernel`: the shipped paged-
+    attention kernel (torchbridge.kernels), used for decode groups (one query per row): it reads the
+    blocks in place instead of gathering them, and needs each row's keys to be [0, context length)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     # index_copy_/index_select rather than advanced indexing: same result, markedly cheaper on cpu.
@@ -185,6 +189,12 @@ def paged_attention(
             _workspace_attention(q, k, v, g, layer, out, scale)
             continue
         batch, max_q = g.query_index.shape
+        if decode_kernel is not None and max_q == 1:
+            # a decode row's mask is exactly its context [0, len) (a padding row's: key 0 alone)
+            lens = g.mask[:, 0, 0].sum(-1, dtype=torch.int32)
+            o = decode_kernel(q.index_select(0, g.query_index.flatten()), k_cache, v_cache, g.block_tables, lens, scale)
+            out.index_copy_(0, g.out_tokens, o.reshape(batch, num_heads * head_dim).index_select(0, g.out_cells))
+            continue
         qg = q.index_select(0, g.query_index.flatten()).view(batch, max_q, num_heads, head_dim).transpose(1, 2)
         kv_shape = (batch, -1, num_kv_heads, head_dim)
         blocks = g.block_tables.flatten()

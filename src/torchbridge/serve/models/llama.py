@@ -6,11 +6,18 @@ head of q and k (Qwen3), a sliding window (Mistral), and a routed mixture of exp
 
 Tokens are flat ([N] ids, [N] positions); attention goes through the paged KV cache
 (`torchbridge.serve.attention`), so the same forward serves prefill, decode and mixed steps.
+
+On the bridge's device the model calls the shipped kernels (`torchbridge.kernels`: RMSNorm, the
+residual add fused with the next norm, rotary, SwiGLU, paged-attention decode) instead of the op
+sequences below; TORCHBRIDGE_SERVE_KERNELS picks them ("0": none, or a comma list of names), read
+when the model is built. Other devices never import the kernels.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +28,47 @@ from torchbridge.serve.config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
+KERNELS = ("rms_norm", "rotary", "swiglu", "paged_attention")
 
-class RMSNorm(nn.Module):
+
+def enabled_kernels() -> frozenset[str]:
+    """The shipped kernels the model uses on the bridge's device (TORCHBRIDGE_SERVE_KERNELS)."""
+    value = os.environ.get("TORCHBRIDGE_SERVE_KERNELS", ",".join(KERNELS)).strip()
+    if value in ("0", "", "none"):
+        return frozenset()
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = names - set(KERNELS)
+    if unknown:
+        raise ValueError(f"TORCHBRIDGE_SERVE_KERNELS: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    return names
+
+
+class _Kernels:
+    """Which shipped kernels a module calls, and only on the bridge's device (set by the model)."""
+
+    names: frozenset[str] = frozenset()
+    device_type: str | None = None
+
+    def kernel(self, name: str, x: torch.Tensor) -> Any:
+        """The module of shipped kernel `name` (torchbridge.kernels.<name>) when it applies to `x`, else None."""
+        if name not in self.names or x.device.type != self.device_type:
+            return None
+        # the bridge's device is in use, so its packages are loaded
+        from torchbridge.kernels import paged_attention, rms_norm, rotary, swiglu
+
+        return {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu, "paged_attention": paged_attention}[name]
+
+
+class RMSNorm(_Kernels, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel("rms_norm", x)
+        if k is not None and self.weight.dtype == x.dtype:
+            return k.rms_norm(x, self.weight, eps=self.eps)
         # Normalise in fp32 like the reference, then scale in the input dtype.
         dtype = x.dtype
         x = x.float()
@@ -71,7 +111,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Attention(nn.Module):
+class Attention(_Kernels, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.layer = layer  # picks this layer's buffers in a decode workspace
@@ -86,6 +126,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
+        self.sliding_window = cfg.sliding_window  # the decode kernel reads each context from position 0
         self.qkv_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
@@ -118,13 +159,19 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer)
+        kern = self.kernel("rotary", q)
+        if kern is not None:
+            q, k = kern.rotary(q, k, cos[:, 0], sin[:, 0])
+        else:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        kern = self.kernel("paged_attention", q) if self.sliding_window is None else None
+        decode = None if kern is None else kern.paged_attention
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer, decode_kernel=decode)
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
+class MLP(_Kernels, nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -142,8 +189,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        k = self.kernel("swiglu", x)
+        return self.down_proj(F.silu(gate) * up if k is None else k.swiglu(gate, up))
 
 
 class Router(nn.Module):
@@ -178,7 +227,7 @@ class SparseMoE(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Kernels, nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, index)
@@ -194,8 +243,14 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        norm = self.post_attention_layernorm
+        k = self.kernel("rms_norm", x)
+        if k is not None and norm.weight.dtype == x.dtype:  # the residual add fused with the next norm
+            normed, x = k.add_rms_norm(x, attn, norm.weight, eps=norm.eps)
+            return x + self.mlp(normed)
+        x = x + attn
+        return x + self.mlp(norm(x))
 
 
 class Backbone(nn.Module):
@@ -217,6 +272,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(cfg, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.use_kernels(enabled_kernels())
+
+    def use_kernels(self, names: frozenset[str]) -> None:
+        """Call these shipped kernels (a subset of KERNELS) on the bridge's device."""
+        from torchbridge import device_name
+
+        for m in self.modules():
+            if isinstance(m, _Kernels):
+                m.names, m.device_type = frozenset(names), device_name()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata
