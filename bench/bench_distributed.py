@@ -53,6 +53,7 @@ def _median_time(fn, sync, calls: int) -> float:
 
 
 def worker_collectives(out: Path, rounds: int) -> None:
+    _pin_to_core()
     import torch
     import torch.distributed as dist
 
@@ -94,7 +95,16 @@ def worker_collectives(out: Path, rounds: int) -> None:
     dist.destroy_process_group()
 
 
+def _pin_to_core() -> None:
+    """One core per rank (as one chip per process): XLA sizes its thread pool from this process's CPU
+    affinity, so two ranks on two cores do not run four compute threads. Both arms share the pinning."""
+    cores = sorted(os.sched_getaffinity(0))
+    if int(os.environ["LOCAL_WORLD_SIZE"]) <= len(cores) and os.environ.get("BENCH_PIN", "1") == "1":
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
+
+
 def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
+    _pin_to_core()
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -115,10 +125,11 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
     for arm, d, backend in (("bridge", dev, "tpu"), ("inductor", torch.device("cpu"), "inductor")):
         torch.manual_seed(0)
         model = tiny_llama.TinyLlama().to(d)
-        mesh = init_device_mesh(d.type, (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if not os.environ.get("BENCH_NO_FSDP"):  # (unsharded: the compute alone, for comparison)
+            mesh = init_device_mesh(d.type, (world,))
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         for block in model.layers:
             block.compile(backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fsdp", action="store_true", help="the FSDP2 training step instead of the collectives")
     ap.add_argument("--steps", type=int, default=3, help="FSDP2 steps per round and arm")
+    ap.add_argument("--nproc", type=int, default=2, help="FSDP2 ranks")
     ap.add_argument("--write", default=None)
     ap.add_argument("--worker", choices=["collectives", "fsdp"], help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -204,12 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python bench/bench_distributed.py " + " ".join(a for a in (argv or sys.argv[1:]))
     with tempfile.TemporaryDirectory() as tmp:
         if args.fsdp:
-            _launch(2, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps", str(args.steps)],
-                    29960)
+            _launch(args.nproc, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps",
+                                 str(args.steps)], 29960)
             data = json.loads((Path(tmp) / "fsdp.json").read_text())
             t = data["times"]
             speed = sorted(a / b for a, b in zip(t["inductor"], t["bridge"], strict=True))
-            lines += [f"FSDP2 training step, {data['params'] / 1e6:.1f}M-parameter Llama, 2 ranks, batch 4 x 128 per rank, "
+            lines += [f"FSDP2 training step, {data['params'] / 1e6:.1f}M-parameter Llama, {args.nproc} ranks, batch 4 x 128 per rank, "
                       f"{args.rounds} rounds x {args.steps} steps, arms alternated:", "",
                       "| arm | step (median ms) | range (ms) | last warm-up loss |", "|---|---|---|---|"]
             names = {"bridge": 'torch.compile(backend="tpu"), device', "inductor": "torch.compile (inductor), CPU + gloo"}
