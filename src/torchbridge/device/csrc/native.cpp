@@ -79,14 +79,20 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0) t_current_device = d.index();
   }
+  static c10::Device resolved(c10::Device d) {  // no index: the current device, as CUDA's guard does
+    return d.index() < 0 ? c10::Device(kDevice, t_current_device) : d;
+  }
   c10::Stream getStream(c10::Device d) const override {
+    d = resolved(d);
     auto it = t_current_stream.find(d.index());
     return c10::Stream(c10::Stream::UNSAFE, d, it == t_current_stream.end() ? 0 : it->second);
   }
-  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, resolved(d), 0);
+  }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
   c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+    return c10::Stream(c10::Stream::UNSAFE, resolved(d), g_next_stream.fetch_add(1));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto old = getStream(s.device());
