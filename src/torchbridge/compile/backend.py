@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 from torchbridge.compile import functionalized, patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 log = logging.getLogger(__name__)
 compile_counter: Counter[str] = Counter()
@@ -89,7 +89,7 @@ class GraphProgram:
 
     # -- call ------------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        from torchbridge.device import ops
+        from torchbridge.device import buffers
 
         STATE.table.drain()
         descs, bufs, hosts, device = [], [], [], None
@@ -111,7 +111,7 @@ class GraphProgram:
         buf = None  # a live local would count as a holder of the last buffer (donation checks refcounts)
         consts = []
         for t in self._constants.values():
-            consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
+            consts.append(buffers.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
         device = device or torch.device(STATE.name, STATE.current_device)
         plan = spmd.plan(self.groups, STATE.jax_device(device.index or 0)) if self.groups else None
         key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.switches(),

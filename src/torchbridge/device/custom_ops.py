@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _pending: list[tuple[torch.library.Library, torch._ops.OpOverload]] = []
 

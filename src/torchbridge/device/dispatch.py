@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchbridge.device import donation, dtypes, fused, host_calls, native, storage, views
+from torchbridge.device import donation, dtypes, eager_mode, fused, host_calls, native, storage, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _T, _S, _L, _C = 0, 1, 2, 3  # argument encodings: tensor, dynamic scalar, list, constant
 _NUMBER = torch._C.NumberType.get()
@@ -135,7 +135,7 @@ def _encode_call(info: OpInfo_, args: tuple, kwargs: dict) -> tuple[_Call, tuple
 # ---- tensor classification ---------------------------------------------------------------------
 
 class _DeviceArg(NamedTuple):
-    # A NamedTuple, not a dataclass: it is hashed into the cache key on every call.
+    # A NamedTuple, not a dataclass: one is made per device tensor of every general-path call.
     slot: int
     spec: views.ViewSpec
     dtype: Any
@@ -460,33 +460,13 @@ def _tensor_indices(enc: Any) -> list[int]:
 # ---- the fast path -----------------------------------------------------------------------------
 #
 # A repeat call (same op, same tensor layouts and aliasing, same constants, same scalar types) skips
-# encoding, classification and the general cache key: native.fast_call builds the key in one C++ pass
-# over the arguments, and a hit runs the cached program on the storages' current buffers (or records
-# it, in fused mode). Anything unusual (CPU tensors, factory calls, a dtype-punned storage) takes the
-# general path, which records the fast entry once it has run the call.
+# encoding, classification and the program lookup: native.fast_call builds the call's key in one C++
+# pass over the arguments, and a hit runs the remembered program on the storages' current buffers (or
+# records it, in fused mode). Anything unusual (CPU tensors, factory calls, a dtype-punned storage)
+# takes the general path, which remembers the call as a native.FastEntry once it has run it.
 
-class _Fast(NamedTuple):
-    program: _Program
-    buffer_dtypes: list  # the flat buffers' dtypes the program was traced for
-    dev_index: int
-    returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
-    returns_none: bool
-    zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
-    outputs: tuple  # per new output: (shape, strides, c10 ScalarType code)
-    single: bool  # the op returns exactly one new tensor
-    fn: Any  # program.fn, program.writes, program.random, program.out_struct: read by native.fast_call by
-    writes: tuple  # position (see _Fast fields in csrc/native.cpp), so they are copied here
-    random: int  # values drawn (0: not random); native.fast_call advances the RNG offset by them
-    out_struct: Any
-    zeroes: bool  # zero_ of one storage: a never-written storage already reads as zeros, nothing to do
-
-
-_fast: dict[Any, _Fast] = {}
+_fast: dict[Any, Any] = {}  # call key (csrc/fast_path.cpp) -> native.FastEntry
 _ARRAY = ArrayImpl  # the concrete class of every jax.Array (the C++ fast path checks buffers by type)
-
-
-def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:
-    return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
 
 
 def _returned_positions(info: OpInfo_, kwargs: dict) -> tuple | None:
@@ -502,39 +482,57 @@ def _returned_args(returns: tuple, args: tuple, kwargs: dict) -> Any:
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
-                   device: torch.device, args: tuple, kwargs: dict) -> None:
-    returns = _returned_positions(info, kwargs)
+def _remember_fast(key: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
+                   device: torch.device, kwargs: dict) -> None:
     jdev = STATE.jax_device(device.index or 0)
-    zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
-                                                                                          strict=True))
+    zeros = [(nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes, strict=True)]
     _dtype_codes()  # fills _CODE_OF on first use
-    outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
-    _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
-                          not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
-                          program.fn, tuple(program.writes), program.random, program.out_struct,
-                          op is torch.ops.aten.zero_.default and len(storages) == 1)
+    _fast[key] = native.load().FastEntry(
+        program=program, buffer_dtypes=list(buffer_dtypes), dev_index=device.index or 0,
+        returns=_returned_positions(info, kwargs), returns_none=not op._schema.returns, zeros=zeros,
+        outputs=[(list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs],
+        single=program.out_struct == ("t", 0), zeroes=op is torch.ops.aten.zero_.default and len(storages) == 1)
     native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)
 
 
-def install_fast_path(slow: Any) -> None:
+def install_fast_path(fallback: Any) -> None:
     """Hand native.fast_call (every op's device kernel) what it needs to serve remembered calls
-    without entering Python; `slow` is the Python fallback it calls for everything else."""
+    without entering Python; `fallback` is the general path it calls for everything else."""
     mod = native.load()
-    mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
-                   STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, storage.zeros,
-                   _Fast._fields)
-    mod.fast_fused(fused.active())
+    mod.fast_setup(entries=_fast, table=STATE.table._buffers, array_type=_ARRAY, pending_type=fused.Pending,
+                   last=STATE.last_results, fallback=fallback, drain=STATE.table.drain, next_rng=STATE.next_rng,
+                   rebuild=_rebuild, record=fused.record_fast, flush=STATE.table.flush, zeros=storage.zeros)
+    mod.fast_fused(eager_mode.is_fused())
+
+
+def _call_key(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> tuple[Any, tuple, tuple, bool]:
+    """The call's key from the one builder (csrc/fast_path.cpp), with the storage addresses and dynamic
+    scalars in the order it walked them, and whether the fast path could serve the call."""
+    sig = native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
+    if sig is None:
+        raise RuntimeError(f"torchbridge: {op}: an argument is an undefined tensor")
+    return sig
+
+
+def _check_same_walk(op: Any, storage_keys: list, scalars: list, key_storages: tuple, key_scalars: tuple) -> None:
+    """The key (C++) and the argument encoding a program is traced from (_Call) must walk the arguments
+    in the same order: the fast path hands a program storages and scalars in the key's order."""
+    if list(key_storages) != storage_keys or [type(s) for s in key_scalars] != [type(s) for s in scalars] or any(
+            a is not b for a, b in zip(key_scalars, scalars, strict=True)):
+        raise RuntimeError(f"torchbridge: {op}: the eager cache key (csrc/fast_path.cpp) and dispatch._Call walked "
+                           "the arguments in different orders")
 
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, generator: Any = None) -> Any:
-    """Run one op through the general path. `generator`: the torch.Generator a random op draws from
-    (default: the device's own stream)."""
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, remember: bool = False, generator: Any = None) -> Any:
+    """Run one op through the general path. `remember`: let the fast path serve its repeats (callers
+    that do more than run the op, e.g. copy_'s conj/neg handling, must not). `generator`: the
+    torch.Generator a random op draws from (default: the device's own stream)."""
     info = op_info(op)
     if info.lowering is None:
         raise UnsupportedOp(str(op))
+    call_key, key_storages, key_scalars, servable = _call_key(op, info, args, kwargs)
     call, pos, kw = _encode_call(info, args, kwargs)
     device_type = STATE.name
     descs, keys, storages, device = _classify(op, call, device_type, allow_host=id(op) in _HOST_OK)
@@ -550,7 +548,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
                 host_scalars.append(call.tensors[i].item())
             else:
                 hosts.append(jax.device_put(dtypes.host_to_numpy(call.tensors[i]), jdev))
-    lazy = fused.active()
+    lazy = eager_mode.is_fused()
     get_buffer = STATE.table.get_or_zeros_lazy if lazy else STATE.table.get_or_zeros
     bufs = []
     buffer_dtypes = []
@@ -561,10 +559,12 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
     for slot, key in enumerate(keys):
         bufs.append(get_buffer(key, storages[slot][0], first_dtype[slot], jdev))
         buffer_dtypes.append(bufs[-1].dtype)
-    cache_key = (id(op), pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
-                 tuple(type(s) for s in call.scalars), tuple(type(s) for s in host_scalars), dev_index)
+    # The key describes the arguments; what it cannot see is the buffers' current dtypes and, for a
+    # factory call, the device the current-device default picked.
+    cache_key = (call_key, tuple(buffer_dtypes), dev_index)
     program = _programs.get(cache_key)
     if program is None:
+        _check_same_walk(op, keys, call.scalars, key_storages, key_scalars)
         with _lock:
             program = _build(op, info, call, pos, kw, descs, storages, tuple(buffer_dtypes))
             _programs[cache_key] = program
@@ -573,7 +573,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
             _resize_outs(kwargs[name], shapes)
         # Apply the resize events now: a late drain would overwrite the result with the old contents.
         STATE.table.drain()
-        return run(op, args, kwargs, generator=generator)
+        return run(op, args, kwargs, remember, generator)
     rng = None
     if program.random and generator is not None:
         offset = generator.get_offset()
@@ -591,8 +591,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     if not lazy:
         STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
-    if sig is not None and not hosts and not host_scalars and generator is None:
-        _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
+    if remember and servable and generator is None:
+        _remember_fast(call_key, op, info, program, storages, buffer_dtypes, device, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     returns = _returned_positions(info, kwargs)
