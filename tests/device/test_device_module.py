@@ -18,7 +18,7 @@ MOD = getattr(torch, DEV)
 
 
 def _chip(t: torch.Tensor):
-    from torchbridge.device.state import STATE
+    from torchbridge.device.runtime import STATE
 
     MOD.synchronize()
     buf = STATE.table.get(t.untyped_storage().data_ptr())
@@ -31,7 +31,7 @@ def _chip(t: torch.Tensor):
     lambda d: torch.tensor([1.0, 2.0], device=d), lambda d: torch.ones(4, device=d) + 1,
 ])
 def test_factory_tensors_live_on_their_own_chip(make):
-    from torchbridge.device.state import STATE
+    from torchbridge.device.runtime import STATE
 
     index = min(3, MOD.device_count() - 1)
     t = make(f"{DEV}:{index}")

@@ -11,7 +11,7 @@ import jax
 import torch
 
 from torchbridge.device import native
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 
 def _index(device: int | str | torch.device | None) -> int:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from torchbridge.device import buffers
-from torchbridge.device.backend import skip_dynamo
-from torchbridge.device.state import STATE
+from torchbridge.device.registration import skip_dynamo
+from torchbridge.device.runtime import STATE
 from torchbridge.distributed import collectives
 from torchbridge.distributed.mesh import GroupDevices
 
