@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -84,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(cfg.job.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.job.device != "cpu":
-        # one emulated chip per rank when JAX runs on the CPU (read by every rank's JAX at start-up)
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cfg.job.nproc}".strip()
+    if cfg.job.nproc > 1:
+        # the ranks inherit this environment: on JAX's CPU platform, as many emulated chips per process as
+        # ranks (what torchrun jobs of the distributed tests use), and the cores shared between the ranks
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cfg.job.nproc}".strip()
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.job.nproc)))
     from torchbridge.train import data
 
     try:

@@ -119,11 +119,12 @@ def documented_functions(docs: list[tuple[str, str]], rng: random.Random) -> Ite
             continue
         literals = tuple(sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
                                  and isinstance(n.value, str) and 0 < len(n.value) <= 24 and n.value.isprintable()}))
+        lines = text.splitlines(keepends=True)
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
-            src = ast.get_source_segment(text, node)
+            src = _segment(lines, node)
             if not doc or not src or len(src) > 1500:
                 continue
             summary = doc.strip().splitlines()[0].strip()
@@ -136,6 +137,16 @@ def documented_functions(docs: list[tuple[str, str]], rng: random.Random) -> Ite
             params = tuple(a.arg for a in required if a.arg not in ("self", "cls"))
             yield Function(node.name, summary, first + "\n" + textwrap.dedent(rest) if rest else first, params,
                            literals)
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment on pre-split lines (it splits the whole file on every call: quadratic)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset: node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return head + "".join(lines[first + 1: last]) + tail
 
 
 def write_function_chat(fn: Function) -> list[dict[str, Any]]:

@@ -96,11 +96,22 @@ def heldout_loss(step_model: torch.nn.Module, windows: torch.Tensor, device: tor
 
 
 def clip_or_norm(model: torch.nn.Module, max_norm: float) -> float:
-    params = list(dict.fromkeys(p for p in model.parameters() if p.grad is not None))
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm.item())
+    """Clip the gradients' global 2-norm to `max_norm` (0: only measure it). With tensor parallelism some
+    gradients are DTensors on the 2-d or the tp mesh and some (the norms' weights) are plain, and one
+    foreach norm cannot mix them: each group's norm is taken on its own and made whole, then combined."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in dict.fromkeys(p for p in model.parameters() if p.grad is not None):
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = float(torch.linalg.vector_norm(torch.stack(norms)).item())
+    coef = max_norm / (total + 1e-6)  # torch.nn.utils.clip_grads_with_norm_'s factor, as a Python number
+    if max_norm > 0 and coef < 1:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
