@@ -85,12 +85,12 @@ def worker_collectives(out: Path, rounds: int) -> None:
                         run = {"all_reduce": lambda v=v, mesh=mesh: collectives.all_reduce(mesh, v, "sum"),
                                "all_gather": lambda v=v, mesh=mesh: collectives.all_gather(mesh, v),
                                "reduce_scatter": lambda v=v, mesh=mesh: collectives.reduce_scatter(mesh, v, "sum")}[op]
-                        out: list = []
+                        last: list = []
 
-                        def fn(run=run, out=out):
-                            out[:] = [run()]
+                        def fn(run=run, last=last):
+                            last[:] = [run()]
 
-                        arms[arm] = _median_time(fn, lambda out=out: out[0].block_until_ready(),
+                        arms[arm] = _median_time(fn, lambda last=last: last[0].block_until_ready(),
                                                  max(3, min(30, (8 << 20) // size)))
                         continue
                     if op == "all_reduce":

@@ -54,11 +54,12 @@ def _done(result: Any) -> Any:
     return C10D._create_work_from_future(fut)
 
 
-def _finished(work: Any) -> Any:
+def _finished(work: Any, outputs: Any) -> Any:
     """A gloo collective on CPU tensors, waited for here: c10d's functional collectives read the outputs of
-    a Python process group's Work without waiting on it (CPU all_gathers through them gave garbage)."""
+    a Python process group's Work without waiting on it (CPU all_gathers through them gave garbage). The
+    finished Work carries `outputs`, as the device path's does: gloo's `result()` is missing for some."""
     work.wait()
-    return _done(work.result())
+    return _done(outputs)
 
 
 def _on_device(tensors: list[torch.Tensor]) -> bool:
@@ -123,7 +124,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     # ---- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(tensors):
-            return _finished(self._gloo.allreduce(tensors, opts or dist.AllreduceOptions()))
+            return _finished(self._gloo.allreduce(tensors, opts or dist.AllreduceOptions()), tensors)
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         mesh = self._mesh(tensors)
         for t in tensors:
@@ -132,12 +133,13 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(tensors):
-            return _finished(self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
+            work = self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+            return _finished(work, tensors)
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(tensors):
-            return _finished(self._gloo.reduce(tensors, opts))
+            return _finished(self._gloo.reduce(tensors, opts), tensors)
         op, factor = _op(opts.reduceOp)
         mesh = self._mesh(tensors)
         for t in tensors:
@@ -148,7 +150,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(tensors):
-            return _finished(self._gloo.broadcast(tensors, opts))
+            return _finished(self._gloo.broadcast(tensors, opts), tensors)
         mesh = self._mesh(tensors)
         for t in tensors:
             buffers.write_flat(t, collectives.broadcast(mesh, buffers.flat_value(t), opts.rootRank))
@@ -156,7 +158,8 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(inputs + [t for outs in output_lists for t in outs]):
-            return _finished(self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions()))
+            work = self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
+            return _finished(work, output_lists)
         mesh = self._mesh(inputs)
         for outs, t in zip(output_lists, inputs, strict=True):
             self._check_list(outs, t, "all_gather")
@@ -168,7 +171,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         if not _on_device([output, input]):
-            return _finished(self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions()))
+            return _finished(self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions()), [output])
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"torchbridge: all_gather_into_tensor: output has {output.numel()} elements, expected "
                              f"{self.size()} x {input.numel()} (group size x input)")
@@ -187,7 +190,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         if not _on_device(outputs + [t for ins in input_lists for t in ins]):
-            return _finished(self._gloo.reduce_scatter(outputs, input_lists, opts))
+            return _finished(self._gloo.reduce_scatter(outputs, input_lists, opts), outputs)
         op, factor = _op(opts.reduceOp)
         mesh = self._mesh(outputs)
         for o, ins in zip(outputs, input_lists, strict=True):
@@ -198,7 +201,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         if not _on_device([output, input]):
-            return _finished(self._gloo._reduce_scatter_base(output, input, opts))
+            return _finished(self._gloo._reduce_scatter_base(output, input, opts), [output])
         if input.numel() != output.numel() * self.size():
             raise ValueError(f"torchbridge: reduce_scatter_tensor: input has {input.numel()} elements, expected "
                              f"{self.size()} x {output.numel()} (group size x output)")
@@ -220,7 +223,8 @@ class DeviceProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                       input_splits: list[int], opts: Any = None) -> Any:
         if not _on_device([output, input]):
-            return _finished(self._gloo.alltoall_base(output, input, output_splits, input_splits, opts or dist.AllToAllOptions()))
+            work = self._gloo.alltoall_base(output, input, output_splits, input_splits, opts or dist.AllToAllOptions())
+            return _finished(work, [output])
         mesh = self._mesh([input])
         size = self.size()
         row = input.numel() // max(input.shape[0], 1) if input.dim() else 1
@@ -255,7 +259,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(inputs + outputs):
-            return _finished(self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions()))
+            return _finished(self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions()), outputs)
         mesh = self._mesh(inputs)
         numels = {t.numel() for t in inputs} | {t.numel() for t in outputs}
         if len(numels) == 1:
@@ -274,7 +278,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         if not _on_device(outputs + [t for ins in input_lists for t in ins]):
-            return _finished(self._gloo.scatter(outputs, input_lists, opts))
+            return _finished(self._gloo.scatter(outputs, input_lists, opts), outputs)
         mesh = self._mesh(outputs)
         out = outputs[0]
         if self.rank() == opts.rootRank:
@@ -290,7 +294,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(inputs + [t for outs in output_lists for t in outs]):
-            return _finished(self._gloo.gather(output_lists, inputs, opts))
+            return _finished(self._gloo.gather(output_lists, inputs, opts), output_lists)
         mesh = self._mesh(inputs)
         t = inputs[0]
         gathered = collectives.all_gather(mesh, buffers.flat_value(t))

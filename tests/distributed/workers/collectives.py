@@ -18,6 +18,7 @@ OUT = Path(sys.argv[1])
 dist.init_process_group()  # no backend named: the device's c10d backend, gloo for CPU tensors
 RANK, WORLD = dist.get_rank(), dist.get_world_size()
 DEV = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
+ONLY = os.environ.get("TB_ONLY_CASES", "")
 torch.tpu.set_device(DEV)
 GLOO = dist.new_group(backend="gloo")
 CASES: list[list] = []
@@ -48,6 +49,8 @@ def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> tuple[bool, str]:
 
 
 def case(name: str, fn) -> None:
+    if ONLY and ONLY not in name:  # TB_ONLY_CASES=substring runs a subset while debugging
+        return
     try:
         ok, detail = fn()
     except Exception as e:  # noqa: BLE001 - a failing case is reported, the others still run
@@ -386,11 +389,34 @@ case("compiled collectives over two mesh dimensions", run_compiled_two_groups)
 
 # ---- CPU tensors through the device's backend go to gloo ------------------------------------------
 def run_cpu():
-    x = inputs((4,), torch.float32, 120)
-    y = x.clone()
-    dist.all_reduce(x)
-    dist.all_reduce(y, group=GLOO)
-    return same(x, y, exact=True)
+    """Every collective FSDP2/DDP call with CPU tensors on the default (device) group equals gloo's."""
+    x = inputs((4 * WORLD,), torch.float32, 120)
+    got, ref = [], []
+    for group, out in ((None, got), (GLOO, ref)):
+        a = x.clone()
+        dist.all_reduce(a, group=group)
+        g = torch.empty(4 * WORLD * WORLD)
+        dist.all_gather_into_tensor(g, x, group=group)
+        gl = [torch.empty(4 * WORLD) for _ in range(WORLD)]
+        dist.all_gather(gl, x, group=group)
+        rs = torch.empty(4)
+        dist.reduce_scatter_tensor(rs, x, group=group)
+        rl = torch.empty(4)
+        dist.reduce_scatter(rl, list(x.chunk(WORLD)), group=group)
+        aa = torch.empty(4 * WORLD)
+        dist.all_to_all_single(aa, x, group=group)
+        b = x.clone()
+        dist.broadcast(b, src=0, group=group)
+        work = dist.all_reduce(x.clone(), group=group, async_op=True)
+        work.wait()
+        out += [a, g, torch.cat(gl), rs, rl, aa, b]
+    names = ["all_reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
+             "all_to_all_single", "broadcast"]
+    for name, p, q in zip(names, got, ref, strict=True):
+        ok, why = same(p, q, exact=True)
+        if not ok:
+            return False, f"{name}: {why}"
+    return True, ""
 
 
 case("CPU tensors on the default group", run_cpu)
