@@ -183,7 +183,7 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
             prof.disable()
             if rank == 0:
                 print(f"==== {arm}")
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(int(os.environ.get("BENCH_PROFILE", "35")))
     for _ in range(rounds):
         for arm in times:
             dist.barrier()
