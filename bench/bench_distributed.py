@@ -176,6 +176,17 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
         import cProfile
         import pstats
 
+        import torchbridge
+
+        before = torchbridge.metrics()
+        step("bridge")
+        after = torchbridge.metrics()
+        if rank == 0:  # a warm step should compile nothing and fall back to the CPU for nothing
+            print("==== one warm bridge step: compiles", after["compiles"] - before["compiles"],
+                  "cpu fallbacks", {k: v - before["cpu_fallbacks"].get(k, 0) for k, v in after["cpu_fallbacks"].items()
+                                    if v != before["cpu_fallbacks"].get(k, 0)},
+                  "fast-path hits", after["fast_path_hits"] - before["fast_path_hits"],
+                  "donated writes", after["donated_writes"] - before["donated_writes"])
         for arm in times:
             prof = cProfile.Profile()
             prof.enable()
