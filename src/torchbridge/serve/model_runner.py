@@ -284,9 +284,16 @@ class ModelRunner:
     def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
         step = plan(batch, self.block_size)
-        if self.workers is not None:
-            self.workers.send("execute", step, pad)
-        logits, rows = self.execute(step, pad)
+        if self.workers is None:
+            logits, rows = self.execute(step, pad)
+            return logits.float().cpu(), rows
+        self.workers.send("execute", step, pad)
+        try:
+            logits, rows = self.execute(step, pad)
+        except Exception as e:
+            # The workers may be inside a collective this rank never reached: no later step could pair up.
+            self.workers.fail(f"rank 0's step failed: {type(e).__name__}: {e}")
+            raise
         return logits.float().cpu(), rows
 
     @torch.inference_mode()

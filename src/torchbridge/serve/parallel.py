@@ -131,7 +131,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.tp.rank * block
         mine = (local >= 0) & (local < block)
         rows = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
-        return all_reduce(rows * mine[:, None].to(rows.dtype), self.tp)
+        return all_reduce(rows, self.tp)
 
 
 class ParallelLMHead(nn.Linear):

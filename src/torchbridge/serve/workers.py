@@ -109,8 +109,11 @@ class WorkerGroup:
         self._closing = False
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
+        env = dict(os.environ)
+        if torch.device(config.device).type in ("cpu", "cuda"):
+            env["TORCHBRIDGE_NO_DEVICE"] = "1"  # these workers never need the bridge: skip registering it (~4 s)
         for rank in range(1, config.tensor_parallel_size):
-            proc = subprocess.Popen([sys.executable, "-m", "torchbridge.serve.workers"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "torchbridge.serve.workers"], stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
             self._write(proc, pickle.dumps((rank, port, config)))
         atexit.register(self.close)
@@ -142,11 +145,15 @@ class WorkerGroup:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def fail(self, reason: str) -> None:
+        """The group cannot go on: remember why, stop every worker (unless it is being closed already)."""
         with self._lock:
             if self._closing:
                 return
-            self.error = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
-        log.error("%s; stopping the other workers, the engine cannot step any more", self.error)
+            self.error = reason
+        log.error("%s; stopping the tensor-parallel workers, the engine cannot step any more", reason)
         self.close()
 
     def close(self, timeout: float = 10) -> None:
