@@ -29,7 +29,7 @@ import torch
 import transformers
 
 import torchbridge
-from torchbridge.device import fused, host_calls
+from torchbridge.device import eager_mode, host_calls
 
 DEV = torchbridge.device_name()
 
@@ -78,14 +78,14 @@ class Arm:
         """Seconds for one iteration, including waiting for the device."""
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
-        fused.set_mode(self.mode)
+        eager_mode.set_mode(self.mode)
         try:
             t = time.perf_counter()
             self.work[metric]()
             _sync(self.device)
             return time.perf_counter() - t
         finally:
-            fused.set_mode("eager")
+            eager_mode.set_mode("eager")
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -4,10 +4,11 @@
     python bench/bench_distributed.py --fsdp [--rounds 5] [--write ...]   # FSDP2 training step, 2 ranks
 
 Collectives: every rank runs all_reduce, all_gather_into_tensor and reduce_scatter_tensor from 1 KiB to
-64 MiB (float32) through the device's backend on device tensors (XLA collectives; synchronised after
-each call) and through a gloo group on CPU tensors, the two arms taking turns inside every round.
-Reported per size: median time of each arm over the rounds (each round's figure a median of several
-calls), and device/gloo with its range over the rounds (the target: at most 1.5x at 4 MiB and above).
+64 MiB (float32) through the device's backend on device tensors (XLA collectives, the default; and a
+second device group with TORCHBRIDGE_COLLECTIVES=host: host copies through PyTorch's gloo), each
+synchronised after the call, and through a gloo group on CPU tensors, the three arms taking turns inside
+every round. Reported per size: median time of each arm over the rounds (each round's figure a median of
+several calls), and device/gloo with its range over the rounds (the target: at most 1.5x at 4 MiB and up).
 
 FSDP2 step (--fsdp): a ~20M-parameter Llama (TorchTitan-style, TP-ready) sharded with FSDP2 over 2
 ranks, AdamW, each block compiled (as TorchTitan does): torch.compile(backend="tpu") on the device vs
@@ -53,6 +54,7 @@ def _median_time(fn, sync, calls: int) -> float:
 
 
 def worker_collectives(out: Path, rounds: int) -> None:
+    _pin_to_core()
     import torch
     import torch.distributed as dist
 
@@ -61,16 +63,36 @@ def worker_collectives(out: Path, rounds: int) -> None:
     dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
     torch.tpu.set_device(dev)
     gloo = dist.new_group(backend="gloo")
+    os.environ["TORCHBRIDGE_COLLECTIVES"] = "host"  # a second device group with the host-copy transport
+    host = dist.new_group()
+    os.environ.pop("TORCHBRIDGE_COLLECTIVES")
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
         for size in SIZES:
             n = size // 4
             for op in OPS:
                 arms = {}
-                for arm in ("device", "gloo"):
-                    d = dev if arm == "device" else torch.device("cpu")
-                    group = None if arm == "device" else gloo
+                for arm in ("device", "host", "gloo", "jax"):
+                    d = torch.device("cpu") if arm == "gloo" else dev
+                    group = {"device": None, "host": host, "gloo": gloo, "jax": None}[arm]
                     x = torch.ones(n, device=d)
+                    if arm == "jax":  # the same XLA program on a ready buffer: no tensors, no c10d (the floor)
+                        from torchbridge.device import buffers
+                        from torchbridge.distributed import collectives
+
+                        mesh = dist.distributed_c10d._get_default_group()._mesh([x])
+                        v = buffers.flat_value(x)
+                        run = {"all_reduce": lambda v=v, mesh=mesh: collectives.all_reduce(mesh, v, "sum"),
+                               "all_gather": lambda v=v, mesh=mesh: collectives.all_gather(mesh, v),
+                               "reduce_scatter": lambda v=v, mesh=mesh: collectives.reduce_scatter(mesh, v, "sum")}[op]
+                        out: list = []
+
+                        def fn(run=run, out=out):
+                            out[:] = [run()]
+
+                        arms[arm] = _median_time(fn, lambda out=out: out[0].block_until_ready(),
+                                                 max(3, min(30, (8 << 20) // size)))
+                        continue
                     if op == "all_reduce":
                         def fn(x=x, group=group):
                             dist.all_reduce(x, group=group)
@@ -84,7 +106,7 @@ def worker_collectives(out: Path, rounds: int) -> None:
 
                         def fn(x=x, o=o, group=group):
                             dist.reduce_scatter_tensor(o, x, group=group)
-                    sync = torch.tpu.synchronize if arm == "device" else (lambda: None)
+                    sync = (lambda: None) if arm == "gloo" else torch.tpu.synchronize
                     dist.barrier(group=gloo)
                     arms[arm] = _median_time(fn, sync, max(3, min(30, (8 << 20) // size)))
                 for arm, t in arms.items():
@@ -94,7 +116,16 @@ def worker_collectives(out: Path, rounds: int) -> None:
     dist.destroy_process_group()
 
 
+def _pin_to_core() -> None:
+    """One core per rank (as one chip per process): XLA sizes its thread pool from this process's CPU
+    affinity, so two ranks on two cores do not run four compute threads. Both arms share the pinning."""
+    cores = sorted(os.sched_getaffinity(0))
+    if int(os.environ["LOCAL_WORLD_SIZE"]) <= len(cores) and os.environ.get("BENCH_PIN", "1") == "1":
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
+
+
 def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
+    _pin_to_core()
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -115,10 +146,11 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
     for arm, d, backend in (("bridge", dev, "tpu"), ("inductor", torch.device("cpu"), "inductor")):
         torch.manual_seed(0)
         model = tiny_llama.TinyLlama().to(d)
-        mesh = init_device_mesh(d.type, (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if not os.environ.get("BENCH_NO_FSDP"):  # (unsharded: the compute alone, for comparison)
+            mesh = init_device_mesh(d.type, (world,))
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         for block in model.layers:
             block.compile(backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -186,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fsdp", action="store_true", help="the FSDP2 training step instead of the collectives")
     ap.add_argument("--steps", type=int, default=3, help="FSDP2 steps per round and arm")
+    ap.add_argument("--nproc", type=int, default=2, help="FSDP2 ranks")
     ap.add_argument("--write", default=None)
     ap.add_argument("--worker", choices=["collectives", "fsdp"], help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -204,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python bench/bench_distributed.py " + " ".join(a for a in (argv or sys.argv[1:]))
     with tempfile.TemporaryDirectory() as tmp:
         if args.fsdp:
-            _launch(2, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps", str(args.steps)],
-                    29960)
+            _launch(args.nproc, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps",
+                                 str(args.steps)], 29960)
             data = json.loads((Path(tmp) / "fsdp.json").read_text())
             t = data["times"]
             speed = sorted(a / b for a, b in zip(t["inductor"], t["bridge"], strict=True))
-            lines += [f"FSDP2 training step, {data['params'] / 1e6:.1f}M-parameter Llama, 2 ranks, batch 4 x 128 per rank, "
+            lines += [f"FSDP2 training step, {data['params'] / 1e6:.1f}M-parameter Llama, {args.nproc} ranks, batch 4 x 128 per rank, "
                       f"{args.rounds} rounds x {args.steps} steps, arms alternated:", "",
                       "| arm | step (median ms) | range (ms) | last warm-up loss |", "|---|---|---|---|"]
             names = {"bridge": 'torch.compile(backend="tpu"), device', "inductor": "torch.compile (inductor), CPU + gloo"}
@@ -223,14 +256,19 @@ def main(argv: list[str] | None = None) -> int:
             for nproc in args.ranks:
                 _launch(nproc, ["--worker", "collectives", "--out", tmp, "--rounds", str(args.rounds)], 29950 + nproc)
                 data = json.loads((Path(tmp) / "collectives.json").read_text())["results"]
-                lines += [f"### {nproc} ranks", "", "| collective | size | device (ms) | gloo on CPU (ms) | device / gloo (median, range) |",
-                          "|---|---|---|---|---|"]
+                lines += [f"### {nproc} ranks", "",
+                          "| collective | size | device, XLA (ms) | device, host copies (ms) | gloo on CPU (ms) | "
+                          "XLA / gloo (median, range) | host / gloo (median, range) | JAX's program alone / gloo |",
+                          "|---|---|---|---|---|---|---|---|"]
                 for op in OPS:
                     for size in SIZES:
                         r = data[f"{op}/{size}"]
-                        med, lo, hi = _ratio_row(r["device"], r["gloo"])
+                        xla, host = _ratio_row(r["device"], r["gloo"]), _ratio_row(r["host"], r["gloo"])
+                        floor = _ratio_row(r["jax"], r["gloo"])
                         lines.append(f"| {op} | {_fmt_size(size)} | {statistics.median(r['device']) * 1e3:.3f} | "
-                                     f"{statistics.median(r['gloo']) * 1e3:.3f} | {med:.2f}x ({lo:.2f}-{hi:.2f}) |")
+                                     f"{statistics.median(r['host']) * 1e3:.3f} | {statistics.median(r['gloo']) * 1e3:.3f} "
+                                     f"| {xla[0]:.2f}x ({xla[1]:.2f}-{xla[2]:.2f}) | {host[0]:.2f}x ({host[1]:.2f}-{host[2]:.2f}) "
+                                     f"| {floor[0]:.2f}x |")
                 lines.append("")
     header = [f"Command: `{cmd.strip()}`", "",
               f"Machine: {os.cpu_count()} cores, load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; "

@@ -18,25 +18,25 @@ from torchbridge._register import device_name, register, registration_error  # n
 
 def metrics() -> dict[str, Any]:
     """Eager-mode counters: compiled programs in the cache, compiles (total and per op), CPU fallbacks."""
-    from torchbridge.device import ops
+    from torchbridge.device import metrics as device_metrics
 
-    return ops.metrics()
+    return device_metrics.metrics()
 
 
 def set_cpu_fallback(enabled: bool) -> None:
     """Run ops that have no device lowering on the CPU (off by default; warns once per op)."""
-    from torchbridge.device import ops
+    from torchbridge.device import fallback
 
-    ops.set_cpu_fallback(enabled)
+    fallback.set_cpu_fallback(enabled)
 
 
 def set_eager_mode(mode: str) -> None:
     """'eager': one cached executable per op (default). 'fused': ops are recorded and each recorded
     sequence runs as one cached executable, flushed when a value is read (.item(), .cpu(), print),
     on synchronize(), and at a size bound (TORCHBRIDGE_FUSED_MAX_OPS). Also TORCHBRIDGE_EAGER_MODE."""
-    from torchbridge.device import fused
+    from torchbridge.device import eager_mode
 
-    fused.set_mode(mode)
+    eager_mode.set_mode(mode)
 
 
 def set_matmul_precision(precision: str) -> None:

@@ -39,9 +39,9 @@ def register() -> None:
         return
     _attempted = True
     try:
-        from torchbridge.device import backend
+        from torchbridge.device import registration
 
-        backend.register(device_name())
+        registration.register(device_name())
         from torchbridge import distributed
 
         distributed.register()

@@ -1,4 +1,4 @@
-"""`python -m torchbridge {run,serve,route,up,bench,doctor}`.
+"""`python -m torchbridge {run,serve,route,up,train,doctor}`.
 
 Each subcommand lives with the layer it belongs to; this file only dispatches, importing lazily so
 that `route` never imports the engine and `serve --device cpu` never needs the bridge.
@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("torchbridge.serve.cli", "main", "OpenAI-compatible LLM server on cpu, cuda or tpu"),
     "route": ("torchbridge.route.cli", "main", "cache-aware router in front of engine replicas"),
     "up": ("torchbridge.route.cli", "up", "start N engine replicas and the router on this machine"),
+    "train": ("torchbridge.train.cli", "main", "train a Llama (FSDP2 / TP / 2-D) from a TOML config and export it"),
     "doctor": ("torchbridge.doctor", "main", "report torch, jax, the device backend and its platform"),
 }
 

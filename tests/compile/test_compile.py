@@ -60,6 +60,41 @@ def test_second_call_does_not_recompile_and_new_shape_is_logged(caplog):
     assert "recompiling for new input shapes" in caplog.text and "(2, 4) -> (5, 4)" in caplog.text
 
 
+def test_expected_recompiles_are_counted_but_not_logged(caplog):
+    compiled = torch.compile(lambda x: x * 3, backend="tpu")
+    compiled(torch.ones(2, device=DEV))
+    before = compile_backend.metrics()["recompiles"]
+    with caplog.at_level(logging.WARNING), compile_backend.recompiles_expected():
+        torch.testing.assert_close(compiled(torch.ones(3, device=DEV)).cpu(), torch.full((3,), 3.0))
+    assert compile_backend.metrics()["recompiles"] == before + 1
+    assert "recompiling" not in caplog.text
+
+
+def test_tpu_compiles_leave_other_compiles_their_automatic_dynamic_shapes():
+    """Compiling for the device changes nothing process-wide: a user's other compiled function
+    (another backend; Dynamo's automatic dynamic shapes are the same for every backend, Inductor
+    included) still gets a dynamic graph when its input size changes, while the device's own graphs
+    stay static, one per shape."""
+    dynamic_graphs = []
+
+    def other_backend(gm: torch.fx.GraphModule, example_inputs: list):
+        dynamic_graphs.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
+                                  for n in gm.graph.find_nodes(op="placeholder")))
+        return gm.forward
+
+    other = torch.compile(lambda x: x * 2, backend=other_backend)
+    other(torch.randn(3))
+    on_device = torch.compile(lambda x: x.sum(0) + x.shape[0], backend="tpu")
+    before = compile_backend.metrics()["recompiles"]
+    for n in (2, 5, 7):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(on_device(x.to(DEV)).cpu(), x.sum(0) + n)
+    assert compile_backend.metrics()["recompiles"] - before == 2  # 2 -> 5 -> 7: one static program each
+    other(torch.randn(6))
+    assert dynamic_graphs == [False, True]
+    assert torch._dynamo.config.automatic_dynamic_shapes
+
+
 def test_training_loop_20_steps_tracks_cpu_eager():
     torch.manual_seed(0)
     cpu, dev = _pair(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,7 +262,7 @@ def test_conjugate_view_after_a_plain_entry_with_the_same_layout():
 
 def test_zero_buffers_are_shared_up_to_a_size_and_the_cache_is_bounded():
     from torchbridge.device import storage
-    from torchbridge.device.state import STATE
+    from torchbridge.device.runtime import STATE
 
     dev = STATE.jax_device(0)
     small = storage.zeros(1000, "float32", dev)
@@ -270,3 +271,64 @@ def test_zero_buffers_are_shared_up_to_a_size_and_the_cache_is_bounded():
     assert storage.zeros(big, "float32", dev) is not storage.zeros(big, "float32", dev)  # not kept
     assert sum(b.nbytes for b in storage._zero_cache.values()) <= storage.ZERO_CACHE_BYTES
     assert not bool(storage.zeros(1000, "float32", dev).any())
+
+
+# ---- one key builder, named structures ----------------------------------------------------------
+
+def _general_path_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    from torchbridge.device import dispatch
+
+    seen = []
+    run = dispatch.run
+
+    def spy(op, args, kwargs, *rest, **kw):
+        seen.append((op, args, kwargs))
+        return run(op, args, kwargs, *rest, **kw)
+
+    monkeypatch.setattr(dispatch, "run", spy)
+    return seen
+
+
+def test_the_general_path_keys_programs_by_the_cpp_key(monkeypatch: pytest.MonkeyPatch):
+    """One builder: the key fast_call builds in C++ is the key the general path finds its program by
+    (with the buffers' dtypes and the device), and the fast entry it remembers is under the same key."""
+    from torchbridge.device import dispatch, native
+
+    seen = _general_path_calls(monkeypatch)
+    a, b = _data(0, 7, 11).to(DEV), _data(1, 7, 11).to(DEV)  # a shape no other test uses: a miss
+    torch.testing.assert_close((a * b).cpu(), _data(0, 7, 11) * _data(1, 7, 11))
+    op, args, kwargs = next(c for c in seen if c[0] is torch.ops.aten.mul.Tensor)
+    info = dispatch.op_info(op)
+    key = native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)[0]
+    assert (key, (np.dtype("float32"),) * 2, 0) in dispatch._programs  # two storages, device 0
+    if torchbridge.metrics()["eager_mode"] == "eager":
+        assert key in dispatch._fast
+
+
+def test_a_walk_that_disagrees_with_the_key_is_an_error(monkeypatch: pytest.MonkeyPatch):
+    """The fast path hands a program its scalars in the key's order: if the encoding a program is
+    traced from ever walked the arguments in another order, the first call says so."""
+    from torchbridge.device import dispatch
+
+    encode = dispatch._encode_call
+
+    def reversed_scalars(info, args, kwargs):
+        call, pos, kw = encode(info, args, kwargs)
+        call.scalars.reverse()
+        return call, pos, kw
+
+    monkeypatch.setattr(dispatch, "_encode_call", reversed_scalars)
+    x = _data(0, 3, 13).to(DEV)
+    with pytest.raises(RuntimeError, match=r"aten\.add\.\w+: .*walked the arguments in different orders"):
+        torch.add(x, 2.5, alpha=3)
+
+
+def test_fast_entries_and_hooks_take_names_not_positions():
+    """What C++ reads from Python is passed by name, so a reordering cannot silently swap two fields."""
+    from torchbridge.device import native
+
+    mod = native.load()
+    with pytest.raises(TypeError):
+        mod.FastEntry(object(), [], 0, None, False, [], [], True, False)
+    with pytest.raises(TypeError):
+        mod.fast_setup({}, {}, object, object, {}, print, print, print, print, print, print, print)

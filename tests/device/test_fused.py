@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 
 import torchbridge
-from torchbridge.device import fused
+from torchbridge.device import eager_mode, fused
 
 DEV = torchbridge.device_name()
 
 
 @pytest.fixture
 def fused_mode():
-    previous = fused.mode()
+    previous = eager_mode.mode()
     torchbridge.set_eager_mode("fused")
     yield
     torchbridge.set_eager_mode(previous)

@@ -21,7 +21,7 @@ torchbridge = pytest.importorskip("torchbridge")
 if torchbridge.registration_error() is not None:  # pragma: no cover - depends on the host
     pytest.skip(f"device backend unavailable: {torchbridge.registration_error()}", allow_module_level=True)
 
-from torchbridge.device import ops  # noqa: E402
+from torchbridge.device import fallback, metrics  # noqa: E402
 
 DEV = torchbridge.device_name()
 
@@ -412,7 +412,7 @@ _lib.impl("unlowered", lambda x: x * 2 + 1, "CPU")
 def test_unsupported_op_error_names_op_and_switch() -> None:
     # A custom op with only a CPU kernel: it has no lowering and no decomposition on any backend.
     x = torch.randn(4, device=DEV)
-    assert not ops.cpu_fallback_enabled()
+    assert not fallback.cpu_fallback_enabled()
     with pytest.raises(NotImplementedError) as err:
         torch.ops.tbsemantics.unlowered(x)
     msg = str(err.value)
@@ -423,21 +423,21 @@ def test_unsupported_op_error_names_op_and_switch() -> None:
 def test_cpu_fallback_runs_warns_once_and_counts() -> None:
     x = torch.randn(4)
     d = x.to(DEV)
-    before = ops.metrics()["cpu_fallbacks"].get("tbsemantics.unlowered.default", 0)
-    ops.set_cpu_fallback(True)
+    before = metrics.metrics()["cpu_fallbacks"].get("tbsemantics.unlowered.default", 0)
+    fallback.set_cpu_fallback(True)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             first = torch.ops.tbsemantics.unlowered(d)
             second = torch.ops.tbsemantics.unlowered(d + 1)
     finally:
-        ops.set_cpu_fallback(False)
+        fallback.set_cpu_fallback(False)
     mine = [w for w in caught if "tbsemantics.unlowered" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert "CPU" in str(mine[0].message)
     _assert_same(first, x * 2 + 1)
     _assert_same(second, (x + 1) * 2 + 1)
-    after = ops.metrics()["cpu_fallbacks"].get("tbsemantics.unlowered.default", 0)
+    after = metrics.metrics()["cpu_fallbacks"].get("tbsemantics.unlowered.default", 0)
     assert after - before == 2
 
 
@@ -447,11 +447,11 @@ def test_cpu_fallback_runs_warns_once_and_counts() -> None:
 def test_new_python_scalar_does_not_recompile() -> None:
     x = torch.randn(5, 3, device=DEV)
     r1 = x + 1.0
-    before = ops.metrics()["compiles"]
+    before = metrics.metrics()["compiles"]
     r2 = x + 2.0
     r3 = x * 0.5
     r4 = x * 7.25
-    assert ops.metrics()["compiles"] == before + 1  # only the first mul compiles
+    assert metrics.metrics()["compiles"] == before + 1  # only the first mul compiles
     xc = x.cpu()
     for got, ref in ((r1, xc + 1.0), (r2, xc + 2.0), (r3, xc * 0.5), (r4, xc * 7.25)):
         _assert_same(got, ref)

@@ -17,7 +17,7 @@ from pathlib import Path
 WORKERS = Path(__file__).resolve().parent / "workers"
 # Port bases per test module: torchrun's store takes the base; JAX's coordinator finds a free port itself.
 PORTS = {"collectives": 29810, "training": 29830, "faults": 29850, "checkpoint": 29870, "compiled": 29890,
-         "two_hosts": 29910, "tp_serve": 29930, "bench": 29950}
+         "two_hosts": 29910, "tp_serve": 29930, "bench": 29950, "train": 29970}
 
 
 class JobFailed(AssertionError):
@@ -36,14 +36,20 @@ def torchrun(worker: str, nproc: int, port: int, out: Path, args: list[str] | No
                 "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
                 # every program goes to the persistent XLA cache: ranks and later jobs reuse what one compiled
                 "TORCHBRIDGE_COMPILE_CACHE_MIN_SECS": "0", **(env or {})}
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return run_bounded(cmd, full_env, timeout, f"{worker} on {nproc} ranks", expect_ok)
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout: float, what: str,
+                expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; kill the group after `timeout` s and whatever it left at the end."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
-        raise JobFailed(f"{worker} on {nproc} ranks did not finish in {timeout} s; output:\n{stdout[-6000:]}") from None
+        raise JobFailed(f"{what} did not finish in {timeout} s; output:\n{stdout[-6000:]}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # anything the job left behind
@@ -51,7 +57,7 @@ def torchrun(worker: str, nproc: int, port: int, out: Path, args: list[str] | No
             pass
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
     if expect_ok and proc.returncode != 0:
-        raise JobFailed(f"{worker} on {nproc} ranks exited with {proc.returncode}; output:\n{stdout[-6000:]}")
+        raise JobFailed(f"{what} exited with {proc.returncode}; output:\n{stdout[-6000:]}")
     return result
 
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 from launch import PORTS, WORKERS, torchrun
-from test_training import _compare
+from test_parallel_training import _compare
 
 pytestmark = pytest.mark.skipif(os.environ.get("TB_SLOW") != "1", reason="two network namespaces: TB_SLOW=1")
 

@@ -15,7 +15,7 @@ torchbridge = pytest.importorskip("torchbridge")
 if torchbridge.registration_error() is not None:  # pragma: no cover - depends on the host
     pytest.skip(f"device backend unavailable: {torchbridge.registration_error()}", allow_module_level=True)
 
-from torchbridge.device import dispatch, fused  # noqa: E402
+from torchbridge.device import dispatch, eager_mode, fused  # noqa: E402
 from torchbridge.kernels import KernelError  # noqa: E402
 
 DEV = torchbridge.device_name()
@@ -81,7 +81,7 @@ def test_a_kernel_is_a_torch_op_on_the_device_the_cpu_and_in_compiled_graphs():
 
 
 def test_repeat_eager_calls_take_the_fast_path():
-    if fused.active():
+    if eager_mode.is_fused():
         pytest.skip("fused eager mode records calls instead of taking the fast path")
     x, w = torch.randn(4, 8, device=DEV), torch.randn(8, device=DEV)
     rmsnorm(x, w).cpu()
@@ -170,7 +170,7 @@ def test_mutating_kernel_writes_in_place_through_views_eager_cpu_and_compiled():
 
 
 def test_mutating_kernel_donates_a_large_sole_owned_buffer():
-    if fused.active():
+    if eager_mode.is_fused():
         pytest.skip("fused eager mode runs recorded sequences, not per-op donating programs")
     acc = torch.zeros(512, 1024, device=DEV)  # 2 MiB: above the donation threshold
     x = torch.ones(512, 1024, device=DEV)
@@ -200,7 +200,7 @@ def test_pytrees_in_and_out_eager_and_compiled():
 
 
 def test_a_new_static_value_compiles_once_then_is_cached_and_traced_scalars_never_recompile():
-    if fused.active():
+    if eager_mode.is_fused():
         pytest.skip("fused eager mode counts sequences, not per-op programs")
     x, w = torch.randn(3, 5, device=DEV), torch.randn(5, device=DEV)
     key = str(rmsnorm.op)
@@ -235,7 +235,7 @@ def test_wrong_shaped_input_names_the_kernel_and_the_arguments():
 
 
 def test_kernel_in_fused_eager_mode():
-    previous = fused.mode()
+    previous = eager_mode.mode()
     torchbridge.set_eager_mode("fused")
     try:
         x, w = torch.randn(4, 8), torch.randn(8)

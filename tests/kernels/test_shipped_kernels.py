@@ -17,7 +17,7 @@ torchbridge = pytest.importorskip("torchbridge")
 if torchbridge.registration_error() is not None:  # pragma: no cover - depends on the host
     pytest.skip(f"device backend unavailable: {torchbridge.registration_error()}", allow_module_level=True)
 
-from torchbridge.device import fused  # noqa: E402
+from torchbridge.device import eager_mode  # noqa: E402
 from torchbridge.kernels import paged_attention, rms_norm, rotary, swiglu  # noqa: E402
 
 DEV = torchbridge.device_name()
@@ -149,7 +149,7 @@ def test_inside_a_larger_compiled_graph(case: Case):
 def test_in_fused_eager_mode(case: Case):
     torch.manual_seed(3)
     inputs = case.make(torch.float32)
-    previous = fused.mode()
+    previous = eager_mode.mode()
     torchbridge.set_eager_mode("fused")
     try:
         got = [o * 3 for o in _flat(case.run("auto", *[t.to(DEV) for t in inputs]))]

@@ -9,9 +9,12 @@ parameters are never copied per call; outputs become device tensors by swapping 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import operator
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -20,12 +23,13 @@ import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
 from torchbridge.compile import functionalized, patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 log = logging.getLogger(__name__)
 compile_counter: Counter[str] = Counter()
@@ -85,7 +89,7 @@ class GraphProgram:
 
     # -- call ------------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        from torchbridge.device import ops
+        from torchbridge.device import buffers
 
         STATE.table.drain()
         descs, bufs, hosts, device = [], [], [], None
@@ -107,7 +111,7 @@ class GraphProgram:
         buf = None  # a live local would count as a holder of the last buffer (donation checks refcounts)
         consts = []
         for t in self._constants.values():
-            consts.append(ops.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
+            consts.append(buffers.value(t) if t.device.type == STATE.name else jnp.asarray(dtypes.host_to_numpy(t)))
         device = device or torch.device(STATE.name, STATE.current_device)
         plan = spmd.plan(self.groups, STATE.jax_device(device.index or 0)) if self.groups else None
         key = (tuple(descs), tuple((c.shape, c.dtype) for c in consts), host_calls.switches(),
@@ -606,27 +610,70 @@ def _decompositions() -> dict:
 
 
 _seen_graphs: dict[Any, list] = {}
+# Set by recompiles_expected(): a caller that compiles one shape bucket after another on purpose.
+_recompiles_expected: contextvars.ContextVar[bool] = contextvars.ContextVar("recompiles_expected", default=False)
+
+
+@contextlib.contextmanager
+def recompiles_expected() -> Iterator[None]:
+    """Compiles inside this block (this thread or task only) for new input shapes are counted in
+    metrics()["recompiles"] but not logged: for callers that compile shape buckets on purpose (the
+    engine's warm-up). Loggers stay the application's to configure."""
+    token = _recompiles_expected.set(True)
+    try:
+        yield
+    finally:
+        _recompiles_expected.reset(token)
 
 
 def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
-    """Same graph structure, new input shapes: that is a recompile; say which input changed."""
-    structure = tuple((n.op, str(n.target)) for n in gm.graph.nodes)
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    """Same graph structure, new input shapes: that is a recompile; say which input changed.
+
+    Size symbols Dynamo passes as graph inputs (after its automatic dynamic shapes saw a size change)
+    are left out of both, so the first and later compiles of one function compare alike."""
+    symbols = {i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if _is_symbol(n.meta.get("example_value"))}
+    structure = tuple((n.op, str(n.target)) for n in gm.graph.nodes
+                      if not (n.op == "placeholder" and _is_symbol(n.meta.get("example_value"))))
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for i, t in enumerate(example_inputs) if i not in symbols]
     previous = _seen_graphs.get(structure)
     if previous is not None and previous != shapes:
         changed = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(previous, shapes, strict=False)) if a != b]
         compile_counter["recompiles"] += 1
-        log.warning("torchbridge.compile: recompiling for new input shapes (%s)", "; ".join(changed))
+        if not _recompiles_expected.get():
+            log.warning("torchbridge.compile: recompiling for new input shapes (%s)", "; ".join(changed))
     _seen_graphs[structure] = shapes
+
+
+def _is_symbol(value: Any) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _specialize(gm: torch.fx.GraphModule) -> None:
+    """Make every symbolic size of the graph's inputs the value it has in this call.
+
+    Shapes are static on this backend (dynamic shapes are not supported yet). Dynamo's automatic
+    dynamic shapes, a process-wide setting that other backends in the process rely on, turn a size
+    that changed between calls into a symbol; evaluating each such symbol here records a guard
+    (`s0 == 5`) in Dynamo's shape environment, so the graph traced below is static and Dynamo
+    compiles again for the next size, as with `torch.compile(..., dynamic=False)`."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            for size in (*value.shape, *value.stride(), value.storage_offset()):
+                if _is_symbol(size):
+                    guard_scalar(size)
+        elif _is_symbol(value):
+            guard_scalar(value)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """The function registered as torch.compile's `backend="tpu"`.
 
-    Shapes are static, as on TorchTPU: Dynamo's automatic dynamic shapes are turned off so a new
-    shape compiles a new static program (pad to buckets with torchbridge.compile.pad_to_bucket).
+    Shapes are static, as on TorchTPU: a new shape compiles a new static program (pad to buckets
+    with torchbridge.compile.pad_to_bucket). Nothing process-wide is changed: other backends keep
+    Dynamo's automatic dynamic shapes (see _specialize).
     """
-    torch._dynamo.config.automatic_dynamic_shapes = False
+    _specialize(gm)
     _log_recompile(gm, example_inputs)
     # (F.scaled_dot_product_attention becomes one fused op in the graphs: the device answers PyTorch's
     # SDPA backend choice with it, lowerings/attention.py)

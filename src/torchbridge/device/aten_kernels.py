@@ -1,4 +1,4 @@
-"""Kernels the device gives existing aten ops beside its fallback (registered by ops.register_kernels).
+"""Kernels the device gives existing aten ops beside its fallback (registered by registration.register).
 
 Meta kernels PyTorch lacks (the dispatcher asks an op's meta kernel for its output metadata), and
 device kernels for ops whose outputs PyTorch's meta kernels describe differently from the CPU's: each

@@ -1,5 +1,5 @@
-"""A device tensor's values as one flat JAX array, and back: for code that works on buffers outside
-the op dispatcher (collectives, custom kernels).
+"""A device tensor's values as a JAX array, and back: for code that works on values outside the op
+dispatcher (.item(), .cpu(), collectives, custom kernels, ops with data-dependent shapes).
 
 A tensor that covers its whole storage contiguously (a DDP bucket, a freshly allocated gradient,
 most FSDP shards) is its storage's buffer: reading it and writing it are table lookups, with no
@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 from torchbridge.device import dtypes, views
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _readers: dict[Any, Any] = {}
 _writers: dict[Any, Any] = {}
@@ -38,16 +39,43 @@ def _whole(t: torch.Tensor, buf: jax.Array, jdt: Any, count: int) -> bool:
     return buf.dtype == jdt and t.numel() == count and t.storage_offset() == 0 and t.is_contiguous()
 
 
+def _read(buf: jax.Array, jdt: Any, spec: views.ViewSpec, count: int, flat: bool) -> jax.Array:
+    rk = (spec, buf.shape, buf.dtype, jdt, count, flat)
+    reader = _readers.get(rk)
+    if reader is None:
+        def read(b: jax.Array) -> jax.Array:
+            v = views.read(views.bitcast_flat(b, jdt, count), spec)
+            return v.reshape(-1) if flat else v
+
+        reader = _readers[rk] = jax.jit(read)
+    return reader(buf)
+
+
+def value(t: torch.Tensor) -> jax.Array:
+    """The values of a device tensor as a contiguous JAX array of its shape, on its device."""
+    _, buf, jdt, spec, count = _parts(t)
+    return _read(buf, jdt, spec, count, flat=False)
+
+
 def flat_value(t: torch.Tensor) -> jax.Array:
     """`t`'s values, row-major, as a 1-d array on its device (t's dtype)."""
     _, buf, jdt, spec, count = _parts(t)
     if _whole(t, buf, jdt, count):
         return buf
-    rk = (spec, buf.shape, buf.dtype, jdt, count)
-    reader = _readers.get(rk)
-    if reader is None:
-        reader = _readers[rk] = jax.jit(lambda b: views.read(views.bitcast_flat(b, jdt, count), spec).reshape(-1))
-    return reader(buf)
+    return _read(buf, jdt, spec, count, flat=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a device tensor (contiguous, same shape and dtype)."""
+    return dtypes.numpy_to_host(np.asarray(value(t)), t.dtype).reshape(t.shape)
+
+
+def from_array(arr: jax.Array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new contiguous device tensor holding `arr` (already of the right JAX dtype)."""
+    out = torch.empty(tuple(arr.shape), dtype=dtype, device=device)
+    jdev = STATE.jax_device(device.index or 0)
+    STATE.table.set(out.untyped_storage().data_ptr(), jax.device_put(arr.reshape(-1), jdev))
+    return out
 
 
 def write_flat(t: torch.Tensor, values: jax.Array) -> None:

@@ -2,7 +2,7 @@
 
 A custom op's PrivateUse1 kernel is `native.fast_call` bound to the op, as for the ATen ops in
 registry.KERNEL_OVERRIDES: a repeat call (same layouts, same constants) is served in C++, and the
-first call reaches ops.fallback, which finds the op's lowering in the one table by its qualified
+first call reaches fallback.fallback, which finds the op's lowering in the one table by its qualified
 name ("ns::name") and runs it through the cached eager dispatch. Ops defined before the device
 registers are bound when it does (backend.register calls bind_pending).
 """
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _pending: list[tuple[torch.library.Library, torch._ops.OpOverload]] = []
 

@@ -11,7 +11,7 @@ import jax
 import torch
 
 from torchbridge.device import native
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 
 def _index(device: int | str | torch.device | None) -> int:
@@ -161,14 +161,14 @@ def stream(s: torch.Stream | None) -> Iterator[None]:
 def memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
     stats = torch._C._accelerator_getDeviceStats(_index(device))
     out = {}
-    for name, value in stats.items():
+    for name, value in stats.items():  # {stat: {pool: {kind: n}}} -> "stat.pool.kind", as torch.cuda's keys
         if isinstance(value, dict):
-            for kind, v in value.items():
+            for pool, v in value.items():
                 if isinstance(v, dict):
-                    for pool, n in v.items():
+                    for kind, n in v.items():
                         out[f"{name}.{pool}.{kind}"] = n
                 else:
-                    out[f"{name}.{kind}"] = v
+                    out[f"{name}.{pool}"] = v
         else:
             out[name] = value
     return out

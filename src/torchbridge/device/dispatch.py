@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchbridge.device import donation, dtypes, fused, host_calls, native, storage, views
+from torchbridge.device import donation, dtypes, eager_mode, fused, host_calls, native, storage, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _T, _S, _L, _C = 0, 1, 2, 3  # argument encodings: tensor, dynamic scalar, list, constant
 _NUMBER = torch._C.NumberType.get()
@@ -135,7 +135,7 @@ def _encode_call(info: OpInfo_, args: tuple, kwargs: dict) -> tuple[_Call, tuple
 # ---- tensor classification ---------------------------------------------------------------------
 
 class _DeviceArg(NamedTuple):
-    # A NamedTuple, not a dataclass: it is hashed into the cache key on every call.
+    # A NamedTuple, not a dataclass: one is made per device tensor of every general-path call.
     slot: int
     spec: views.ViewSpec
     dtype: Any
@@ -315,9 +315,25 @@ def _wrap_numbers(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {k: wrap(v) if k in tensor_args else v for k, v in kwargs.items()}
 
 
-def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list, storages: list,
-           buffer_dtypes: tuple) -> _Program:
-    # 1. Output metadata from PyTorch's meta kernels.
+def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list, storages: list) -> _Program:
+    """One key's program: output metadata from PyTorch's meta kernel, then the traced JAX function."""
+    meta_res, resize = _meta_result(op, info, call, pos, kw, descs)
+    if resize:
+        return _Program(None, (), [], None, False, resize)
+    leaves: list[torch.Tensor] = []
+    out_struct = _flatten_result(meta_res, leaves)
+    written = _written_args(info, pos, kw)
+    body = _Body(op, info, pos, kw, descs, storages, written, leaves, out_struct)
+    compile_counter[str(op)] += 1
+    draws = random_draws(leaves, [call.tensors[i] for idx, _ in written for i in idx]) if info.lowering.random else 0
+    # keep_unused: a program that overwrites a storage without reading it (fill_, normal_) must still run on
+    # that storage's device; JAX places a jitted call by its (kept) committed arguments.
+    return _Program(jax.jit(body, keep_unused=True), body.write_slots, body.new_outputs, out_struct, draws, raw=body)
+
+
+def _meta_result(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list) -> tuple[Any, dict]:
+    """The op run on meta tensors (so shapes, dtypes, promotion and errors are PyTorch's own), and the
+    out= arguments the meta kernel resized (then the call is redone after resizing them)."""
     meta_tensors = [_meta_tensor(t, d) for t, d in zip(call.tensors, descs, strict=True)]
     meta_args = tuple(_decode(e, meta_tensors, call.scalars) for e in pos)
     meta_kwargs = {k: _decode(e, meta_tensors, call.scalars) for k, e in kw}
@@ -333,14 +349,15 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
         if op._schema.returns:
             raise
         meta_res = None
-    resize = {n: _shapes(meta_kwargs[n]) for n in before if _shapes(meta_kwargs[n]) != before[n]}
-    if resize:
-        return _Program(None, (), [], None, False, resize)
+    return meta_res, {n: _shapes(meta_kwargs[n]) for n in before if _shapes(meta_kwargs[n]) != before[n]}
 
-    # Which tensor slots are written, and with which result leaf.
+
+def _written_args(info: OpInfo_, pos: tuple, kw: tuple) -> list[tuple[list[int], str]]:
+    """Which tensors the op writes, each group with its source: "result[:i]" (out=, in-place) or
+    "mutates:<name>" (the lowering's second result, e.g. batch norm's running stats)."""
     arg_values = dict(zip(info.arg_names, pos, strict=False))
     arg_values.update(dict(kw))
-    written: list[tuple[list[int], str]] = []  # (tensor indices, source) source: "result" or "mutates:<name>"
+    written: list[tuple[list[int], str]] = []
     if info.out_args:
         first = 0  # several out= args (max.dim_max, aminmax.out, sort.values) take consecutive result leaves
         for name in info.out_args:
@@ -353,81 +370,98 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     for name in extra:
         if name in arg_values and arg_values[name][0] != _C:
             written.append((_tensor_indices(arg_values[name]), f"mutates:{name}"))
+    return written
 
-    leaves: list[torch.Tensor] = []
-    out_struct = _flatten_result(meta_res, leaves)
-    new_outputs = [] if (info.out_args or info.inplace) else [(tuple(m.shape), tuple(m.stride()), m.dtype) for m in leaves]
-    lowering = info.lowering
-    storage_numel = [nbytes for nbytes, _ in storages]
 
-    out_shapes = [tuple(m.shape) for m in leaves]
-    out_dtypes = [dtypes.to_jax(m.dtype) for m in leaves]
-    write_slots = sorted({descs[i].slot for idx, _ in written for i in idx})
-    gemm_operands = host_calls.GEMM_OPERANDS.get(op._schema.name, ()) if host_calls.gemm_enabled() else ()
+class _Storages:
+    """A program's storage buffers while it is traced, read as any dtype (bitcast views, made once
+    per slot and dtype until a write replaces the buffer)."""
 
-    def program(bufs, scalars, hosts, host_scalars, rng):
-        bufs = list(bufs)
-        typed: dict[tuple[int, Any], Any] = {}
+    def __init__(self, bufs: tuple, nbytes: list[int]) -> None:
+        self.bufs = list(bufs)
+        self.nbytes = nbytes
+        self._typed: dict[tuple[int, Any], Any] = {}
 
-        def storage_as(slot, dtype):
-            k = (slot, dtype)
-            if k not in typed:
-                typed[k] = views.bitcast_flat(bufs[slot], dtype, storage_numel[slot] // jnp.dtype(dtype).itemsize)
-            return typed[k]
+    def read(self, slot: int, dtype: Any) -> Any:
+        k = (slot, dtype)
+        if k not in self._typed:
+            self._typed[k] = views.bitcast_flat(self.bufs[slot], dtype, self.nbytes[slot] // jnp.dtype(dtype).itemsize)
+        return self._typed[k]
 
+    def write(self, d: _DeviceArg, value: Any) -> None:
+        cur = self.read(d.slot, d.dtype)
+        self._typed.clear()
+        self.bufs[d.slot] = views.write(cur, d.spec, views.cast(value, d.dtype))
+
+
+class _Body:
+    """The JAX function one eager program traces: read the input views out of their storages' flat
+    buffers, run the lowering, write in-place/out= results back, lay out the new outputs. Called with
+    (storage buffers, dynamic scalars, host arrays, host scalars, rng); returns (written buffers in
+    `write_slots` order, new output buffers)."""
+
+    def __init__(self, op: Any, info: OpInfo_, pos: tuple, kw: tuple, descs: list, storages: list,
+                 written: list[tuple[list[int], str]], leaves: list[torch.Tensor], out_struct: Any) -> None:
+        self.lowering = info.lowering
+        self.out_args = info.out_args
+        self.pos, self.kw, self.descs, self.written, self.out_struct = pos, kw, descs, written, out_struct
+        self.new_outputs = [] if (info.out_args or info.inplace) else [
+            (tuple(m.shape), tuple(m.stride()), m.dtype) for m in leaves]
+        self.out_shapes = [tuple(m.shape) for m in leaves]
+        self.out_dtypes = [dtypes.to_jax(m.dtype) for m in leaves]
+        self.storage_nbytes = [nbytes for nbytes, _ in storages]
+        self.write_slots = tuple(sorted({descs[i].slot for idx, _ in written for i in idx}))
+        self.gemm_operands = host_calls.GEMM_OPERANDS.get(op._schema.name, ()) if host_calls.gemm_enabled() else ()
+
+    def __call__(self, bufs: tuple, scalars: tuple, hosts: tuple, host_scalars: tuple, rng: Any) -> tuple:
+        storages = _Storages(bufs, self.storage_nbytes)
+        args, kwargs = self._arguments(storages, scalars, hosts, host_scalars)
+        c = registry.TraceContext(out_shapes=self.out_shapes, out_dtypes=self.out_dtypes, rng=rng)
+        with registry.tracing(c):
+            res = self.lowering.fn(*args, **kwargs)
+        mutations = {}
+        if self.lowering.mutates:
+            res, mutations = res
+        res_leaves = _as_list(res)
+        if any(isinstance(r, (int, float)) for r in res_leaves):  # constants among the results (the fused
+            res_leaves = _result_leaves(self.out_struct, res)      # SDPA's sizes): where meta has tensors
+        self._write_back(storages, res_leaves, mutations)
+        return tuple(storages.bufs[s] for s in self.write_slots), self._new_outputs(res_leaves)
+
+    def _arguments(self, storages: _Storages, scalars: tuple, hosts: tuple, host_scalars: tuple) -> tuple[tuple, dict]:
         values, host_i, scalar_i = [], 0, 0
-        for d in descs:
+        for d in self.descs:
             if isinstance(d, _DeviceArg):
-                values.append(views.read(storage_as(d.slot, d.dtype), d.spec))
+                values.append(views.read(storages.read(d.slot, d.dtype), d.spec))
             elif d[0] == "scalar":
                 values.append(host_scalars[scalar_i])
                 scalar_i += 1
             else:
                 values.append(hosts[host_i])
                 host_i += 1
-        args = tuple(_decode(e, values, list(scalars)) for e in pos)
-        for i in gemm_operands:  # a transposed view goes to the GEMM un-transposed, with a flag
-            d = descs[pos[i][1]] if i < len(pos) and pos[i][0] == _T else None
+        args = tuple(_decode(e, values, list(scalars)) for e in self.pos)
+        for i in self.gemm_operands:  # a transposed view goes to the GEMM un-transposed, with a flag
+            d = self.descs[self.pos[i][1]] if i < len(self.pos) and self.pos[i][0] == _T else None
             base = views.swapped_last_two(d.spec) if isinstance(d, _DeviceArg) else None
             if base is not None:
-                args = (*args[:i], host_calls.Transposed(views.read(storage_as(d.slot, d.dtype), base)), *args[i + 1:])
-        kwargs = {k: _decode(e, values, list(scalars)) for k, e in kw if k not in info.out_args}
-        c = registry.TraceContext(out_shapes=out_shapes, out_dtypes=out_dtypes, rng=rng)
-        with registry.tracing(c):
-            res = lowering.fn(*args, **kwargs)
-        mutations = {}
-        if lowering.mutates:
-            res, mutations = res
-        res_leaves = _as_list(res)
-        if any(isinstance(r, (int, float)) for r in res_leaves):  # constants among the results (the fused
-            res_leaves = _result_leaves(out_struct, res)           # SDPA's sizes): where meta has tensors
-        # Writes into existing storages (in-place, out=, running stats).
-        for idx, source in written:
-            kind, _, name = source.partition(":")
-            if kind == "result":
-                src = res_leaves[int(name or 0):]
-            else:
-                src = _as_list(mutations[name])
-            for j, ti in enumerate(idx):
-                d = descs[ti]
-                cur = storage_as(d.slot, d.dtype)
-                val = views.cast(src[j], d.dtype)
-                typed.clear()
-                bufs[d.slot] = views.write(cur, d.spec, val)
-        new = []
-        for (shape, strides, dt), r in zip(new_outputs, res_leaves if new_outputs else [], strict=True):
-            jdt = dtypes.to_jax(dt)
-            r = views.cast(r, jdt)
-            r = jnp.broadcast_to(r, shape)
-            numel = views.storage_numel(shape, strides)
-            new.append(views.layout(r, views.ViewSpec(shape, strides, 0), numel))
-        return tuple(bufs[s] for s in write_slots), tuple(new)
+                args = (*args[:i], host_calls.Transposed(views.read(storages.read(d.slot, d.dtype), base)), *args[i + 1:])
+        kwargs = {k: _decode(e, values, list(scalars)) for k, e in self.kw if k not in self.out_args}
+        return args, kwargs
 
-    compile_counter[str(op)] += 1
-    # keep_unused: a program that overwrites a storage without reading it (fill_, normal_) must still run on
-    # that storage's device; JAX places a jitted call by its (kept) committed arguments.
-    draws = random_draws(leaves, [t for idx, _ in written for i in idx for t in [call.tensors[i]]]) if lowering.random else 0
-    return _Program(jax.jit(program, keep_unused=True), tuple(write_slots), new_outputs, out_struct, draws, raw=program)
+    def _write_back(self, storages: _Storages, res_leaves: list, mutations: dict) -> None:
+        """Writes into existing storages (in-place, out=, running stats)."""
+        for idx, source in self.written:
+            kind, _, name = source.partition(":")
+            src = res_leaves[int(name or 0):] if kind == "result" else _as_list(mutations[name])
+            for j, ti in enumerate(idx):
+                storages.write(self.descs[ti], src[j])
+
+    def _new_outputs(self, res_leaves: list) -> tuple:
+        new = []
+        for (shape, strides, dt), r in zip(self.new_outputs, res_leaves if self.new_outputs else [], strict=True):
+            r = jnp.broadcast_to(views.cast(r, dtypes.to_jax(dt)), shape)
+            new.append(views.layout(r, views.ViewSpec(shape, strides, 0), views.storage_numel(shape, strides)))
+        return tuple(new)
 
 
 def random_draws(outputs: list, written: list) -> int:
@@ -460,33 +494,13 @@ def _tensor_indices(enc: Any) -> list[int]:
 # ---- the fast path -----------------------------------------------------------------------------
 #
 # A repeat call (same op, same tensor layouts and aliasing, same constants, same scalar types) skips
-# encoding, classification and the general cache key: native.fast_call builds the key in one C++ pass
-# over the arguments, and a hit runs the cached program on the storages' current buffers (or records
-# it, in fused mode). Anything unusual (CPU tensors, factory calls, a dtype-punned storage) takes the
-# general path, which records the fast entry once it has run the call.
+# encoding, classification and the program lookup: native.fast_call builds the call's key in one C++
+# pass over the arguments, and a hit runs the remembered program on the storages' current buffers (or
+# records it, in fused mode). Anything unusual (CPU tensors, factory calls, a dtype-punned storage)
+# takes the general path, which remembers the call as a native.FastEntry once it has run it.
 
-class _Fast(NamedTuple):
-    program: _Program
-    buffer_dtypes: list  # the flat buffers' dtypes the program was traced for
-    dev_index: int
-    returns: Any  # None: new outputs; else (position or kwarg name, ...) of the returned arguments
-    returns_none: bool
-    zeros: tuple  # per storage slot: (element count, dtype, jax device) of its never-written contents
-    outputs: tuple  # per new output: (shape, strides, c10 ScalarType code)
-    single: bool  # the op returns exactly one new tensor
-    fn: Any  # program.fn, program.writes, program.random, program.out_struct: read by native.fast_call by
-    writes: tuple  # position (see _Fast fields in csrc/native.cpp), so they are copied here
-    random: int  # values drawn (0: not random); native.fast_call advances the RNG offset by them
-    out_struct: Any
-    zeroes: bool  # zero_ of one storage: a never-written storage already reads as zeros, nothing to do
-
-
-_fast: dict[Any, _Fast] = {}
+_fast: dict[Any, Any] = {}  # call key (csrc/fast_path.cpp) -> native.FastEntry
 _ARRAY = ArrayImpl  # the concrete class of every jax.Array (the C++ fast path checks buffers by type)
-
-
-def signature(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> Any:
-    return native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
 
 
 def _returned_positions(info: OpInfo_, kwargs: dict) -> tuple | None:
@@ -502,39 +516,57 @@ def _returned_args(returns: tuple, args: tuple, kwargs: dict) -> Any:
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-def _remember_fast(sig: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
-                   device: torch.device, args: tuple, kwargs: dict) -> None:
-    returns = _returned_positions(info, kwargs)
+def _remember_fast(key: Any, op: Any, info: OpInfo_, program: _Program, storages: list, buffer_dtypes: list,
+                   device: torch.device, kwargs: dict) -> None:
     jdev = STATE.jax_device(device.index or 0)
-    zeros = tuple((nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes,
-                                                                                          strict=True))
+    zeros = [(nbytes // jnp.dtype(dt).itemsize, dt, jdev) for (nbytes, _), dt in zip(storages, buffer_dtypes, strict=True)]
     _dtype_codes()  # fills _CODE_OF on first use
-    outputs = tuple((list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs)
-    _fast[sig[0]] = _Fast(program, list(buffer_dtypes), device.index or 0, returns,
-                          not op._schema.returns, zeros, outputs, program.out_struct == ("t", 0),
-                          program.fn, tuple(program.writes), program.random, program.out_struct,
-                          op is torch.ops.aten.zero_.default and len(storages) == 1)
+    _fast[key] = native.load().FastEntry(
+        program=program, buffer_dtypes=list(buffer_dtypes), dev_index=device.index or 0,
+        returns=_returned_positions(info, kwargs), returns_none=not op._schema.returns, zeros=zeros,
+        outputs=[(list(shape), list(strides), _CODE_OF[dt]) for shape, strides, dt in program.outputs],
+        single=program.out_struct == ("t", 0), zeroes=op is torch.ops.aten.zero_.default and len(storages) == 1)
     native.load().fast_register_op(op, info.dynamic_pos, info.dynamic)
 
 
-def install_fast_path(slow: Any) -> None:
+def install_fast_path(fallback: Any) -> None:
     """Hand native.fast_call (every op's device kernel) what it needs to serve remembered calls
-    without entering Python; `slow` is the Python fallback it calls for everything else."""
+    without entering Python; `fallback` is the general path it calls for everything else."""
     mod = native.load()
-    mod.fast_setup(_fast, STATE.table._buffers, _ARRAY, STATE.last_results, slow, STATE.table.drain,
-                   STATE.next_rng, _rebuild, fused.Pending, fused.record_fast, STATE.table.flush, storage.zeros,
-                   _Fast._fields)
-    mod.fast_fused(fused.active())
+    mod.fast_setup(entries=_fast, table=STATE.table._buffers, array_type=_ARRAY, pending_type=fused.Pending,
+                   last=STATE.last_results, fallback=fallback, drain=STATE.table.drain, next_rng=STATE.next_rng,
+                   rebuild=_rebuild, record=fused.record_fast, flush=STATE.table.flush, zeros=storage.zeros)
+    mod.fast_fused(eager_mode.is_fused())
+
+
+def _call_key(op: torch._ops.OpOverload, info: OpInfo_, args: tuple, kwargs: dict) -> tuple[Any, tuple, tuple, bool]:
+    """The call's key from the one builder (csrc/fast_path.cpp), with the storage addresses and dynamic
+    scalars in the order it walked them, and whether the fast path could serve the call."""
+    sig = native.load().signature(id(op), args, kwargs, info.dynamic_pos, info.dynamic)
+    if sig is None:
+        raise RuntimeError(f"torchbridge: {op}: an argument is an undefined tensor")
+    return sig
+
+
+def _check_same_walk(op: Any, storage_keys: list, scalars: list, key_storages: tuple, key_scalars: tuple) -> None:
+    """The key (C++) and the argument encoding a program is traced from (_Call) must walk the arguments
+    in the same order: the fast path hands a program storages and scalars in the key's order."""
+    if list(key_storages) != storage_keys or [type(s) for s in key_scalars] != [type(s) for s in scalars] or any(
+            a is not b for a, b in zip(key_scalars, scalars, strict=True)):
+        raise RuntimeError(f"torchbridge: {op}: the eager cache key (csrc/fast_path.cpp) and dispatch._Call walked "
+                           "the arguments in different orders")
 
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, generator: Any = None) -> Any:
-    """Run one op through the general path. `generator`: the torch.Generator a random op draws from
-    (default: the device's own stream)."""
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, remember: bool = False, generator: Any = None) -> Any:
+    """Run one op through the general path. `remember`: let the fast path serve its repeats (callers
+    that do more than run the op, e.g. copy_'s conj/neg handling, must not). `generator`: the
+    torch.Generator a random op draws from (default: the device's own stream)."""
     info = op_info(op)
     if info.lowering is None:
         raise UnsupportedOp(str(op))
+    call_key, key_storages, key_scalars, servable = _call_key(op, info, args, kwargs)
     call, pos, kw = _encode_call(info, args, kwargs)
     device_type = STATE.name
     descs, keys, storages, device = _classify(op, call, device_type, allow_host=id(op) in _HOST_OK)
@@ -550,7 +582,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
                 host_scalars.append(call.tensors[i].item())
             else:
                 hosts.append(jax.device_put(dtypes.host_to_numpy(call.tensors[i]), jdev))
-    lazy = fused.active()
+    lazy = eager_mode.is_fused()
     get_buffer = STATE.table.get_or_zeros_lazy if lazy else STATE.table.get_or_zeros
     bufs = []
     buffer_dtypes = []
@@ -561,19 +593,21 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
     for slot, key in enumerate(keys):
         bufs.append(get_buffer(key, storages[slot][0], first_dtype[slot], jdev))
         buffer_dtypes.append(bufs[-1].dtype)
-    cache_key = (id(op), pos, kw, tuple(descs), tuple(storages), tuple(buffer_dtypes),
-                 tuple(type(s) for s in call.scalars), tuple(type(s) for s in host_scalars), dev_index)
+    # The key describes the arguments; what it cannot see is the buffers' current dtypes and, for a
+    # factory call, the device the current-device default picked.
+    cache_key = (call_key, tuple(buffer_dtypes), dev_index)
     program = _programs.get(cache_key)
     if program is None:
+        _check_same_walk(op, keys, call.scalars, key_storages, key_scalars)
         with _lock:
-            program = _build(op, info, call, pos, kw, descs, storages, tuple(buffer_dtypes))
+            program = _build(op, info, call, pos, kw, descs, storages)
             _programs[cache_key] = program
     if program.resize:
         for name, shapes in program.resize.items():
             _resize_outs(kwargs[name], shapes)
         # Apply the resize events now: a late drain would overwrite the result with the old contents.
         STATE.table.drain()
-        return run(op, args, kwargs, generator=generator)
+        return run(op, args, kwargs, remember, generator)
     rng = None
     if program.random and generator is not None:
         offset = generator.get_offset()
@@ -591,8 +625,8 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: Any = None, g
             updated, new = program.fn(tuple(bufs), tuple(call.scalars), tuple(hosts), tuple(host_scalars), rng)
     if not lazy:
         STATE.last_results[dev_index] = (updated, new)  # what synchronize() waits on
-    if sig is not None and not hosts and not host_scalars and generator is None:
-        _remember_fast(sig, op, info, program, storages, buffer_dtypes, device, args, kwargs)
+    if remember and servable and generator is None:
+        _remember_fast(call_key, op, info, program, storages, buffer_dtypes, device, kwargs)
     for slot, buf in zip(program.writes, updated, strict=True):
         STATE.table.set(keys[slot], buf)
     returns = _returned_positions(info, kwargs)

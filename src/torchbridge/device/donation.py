@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 DONATE_BYTES = 1 << 20  # smaller buffers are cheaper to copy than to reason about
 

@@ -1,7 +1,7 @@
 """Fused eager mode: record ops, run each recorded sequence as one cached executable.
 
 Plain eager dispatches one compiled program per op. In fused mode (`torchbridge.set_eager_mode("fused")`
-or TORCHBRIDGE_EAGER_MODE=fused) dispatch.run records the op's program and its inputs instead, and the
+or TORCHBRIDGE_EAGER_MODE=fused, see eager_mode.py) dispatch.run records the op's program and its inputs instead, and the
 buffer table holds `Pending` placeholders for the results. Any read of a value (`.item()`, `.cpu()`,
 `print`, a comparison used in Python control flow, CPU fallback, a compiled graph's inputs),
 `synchronize()`, or reaching the size bound flushes: the recorded programs are traced together into
@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 
-_mode = os.environ.get("TORCHBRIDGE_EAGER_MODE", "eager")
 MAX_OPS = int(os.environ.get("TORCHBRIDGE_FUSED_MAX_OPS", "256"))
 
 
@@ -115,30 +114,6 @@ def record_fast(program: Any, bufs: tuple, scalars: tuple, rng: Any) -> tuple[tu
     once they are in the table."""
     updated, new = RECORDER.record(program, bufs, scalars, (), (), rng)
     return updated, new, len(RECORDER.records) >= MAX_OPS
-
-
-def active() -> bool:
-    return _mode == "fused"
-
-
-def set_mode(mode: str) -> None:
-    """'eager' (one executable per op, the default) or 'fused' (record, then run sequences as one)."""
-    global _mode
-    if mode not in ("eager", "fused"):
-        raise ValueError(f"torchbridge: eager mode must be 'eager' or 'fused', not {mode!r}")
-    if _mode == "fused" and mode != "fused":
-        from torchbridge.device.state import STATE
-
-        STATE.table.flush()
-    _mode = mode
-    from torchbridge.device import native
-
-    if native.loaded():  # the C++ fast path records instead of running, so the recorder sees every op
-        native.load().fast_fused(mode == "fused")
-
-
-def mode() -> str:
-    return _mode
 
 
 def stats() -> dict[str, int]:

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses import fake_impls
 
 from torchbridge.device.lowerings.moe import grouped_mm
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, bias: torch.Tensor | None) -> list:
@@ -44,15 +44,15 @@ def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The eager device kernel: the lowering above, run on the operands' values."""
-    from torchbridge.device import dtypes, ops
+    from torchbridge.device import buffers, dtypes
 
     dtype = out_dtype or a.dtype
     _grouped_mm_shape(a, b, offs, bias)  # the same checks as under torch.compile
-    av, bv = ops.value(a), ops.value(b)
-    ov = None if offs is None else ops.value(offs)
+    av, bv = buffers.value(a), buffers.value(b)
+    ov = None if offs is None else buffers.value(offs)
     with jax.default_device(next(iter(av.devices()))):
         res = _grouped_mm_jit(av, bv, ov)
-    return ops.from_array(res.astype(dtypes.to_jax(dtype)), dtype, a.device)
+    return buffers.from_array(res.astype(dtypes.to_jax(dtype)), dtype, a.device)
 
 
 _grouped_mm_jit = jax.jit(grouped_mm)
@@ -60,7 +60,7 @@ _library: torch.library.Library | None = None
 
 
 def register() -> None:
-    """The eager kernel (called by ops.register_kernels, once)."""
+    """The eager kernel (called by registration.register, once)."""
     global _library
     if _library is None:
         _library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kept alive for the process

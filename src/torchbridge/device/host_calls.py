@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 
 _TARGET = "torchbridge_host_gemm"
 _FENCE = "torchbridge_fence"

@@ -1,4 +1,5 @@
-"""Builds (once, cached) and loads the C++ half of the backend: allocator, hooks, guard, view kernels."""
+"""Builds (once, cached) and loads the C++ half of the backend: allocator, hooks, guard, view kernels,
+the eager cache key and fast path, the CPU platform's custom calls."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("native.cpp", "host_calls.cpp", "autocast.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("native.cpp", "fast_path.cpp", "host_calls.cpp", "autocast.cpp")]
+_HEADERS = [_CSRC / "native.h"]
 _module: ModuleType | None = None
 
 
@@ -15,7 +18,7 @@ def _build_dir() -> Path:
     import jax
     import torch
 
-    text = b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + jax.__version__.encode()
+    text = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + jax.__version__.encode()
     digest = hashlib.sha256(text).hexdigest()[:16]
     root = Path(os.environ.get("TORCHBRIDGE_CACHE", Path.home() / ".cache" / "torchbridge"))
     path = root / f"native-{digest}"

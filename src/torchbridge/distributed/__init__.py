@@ -25,7 +25,7 @@ def register() -> None:
         return
     import torch.distributed as dist
 
-    from torchbridge.device.state import STATE
+    from torchbridge.device.runtime import STATE
     from torchbridge.distributed import runtime
 
     if not dist.is_available():

@@ -62,7 +62,7 @@ class GroupDevices:
 
 
 def _name(device: jax.Device) -> str:
-    from torchbridge.device.state import STATE
+    from torchbridge.device.runtime import STATE
 
     local = STATE.devices
     return f"{STATE.name}:{local.index(device)}" if device in local else str(device)

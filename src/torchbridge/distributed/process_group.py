@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from torchbridge.device import buffers
-from torchbridge.device.backend import skip_dynamo
-from torchbridge.device.state import STATE
+from torchbridge.device.registration import skip_dynamo
+from torchbridge.device.runtime import STATE
 from torchbridge.distributed import collectives
 from torchbridge.distributed.mesh import GroupDevices
 
@@ -52,6 +52,13 @@ def _done(result: Any) -> Any:
     fut = torch.futures.Future()
     fut.set_result(result)
     return C10D._create_work_from_future(fut)
+
+
+def _finished(work: Any) -> Any:
+    """A gloo collective on CPU tensors, waited for here: c10d's functional collectives read the outputs of
+    a Python process group's Work without waiting on it (CPU all_gathers through them gave garbage)."""
+    work.wait()
+    return _done(work.result())
 
 
 def _on_device(tensors: list[torch.Tensor]) -> bool:
@@ -116,7 +123,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     # ---- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(tensors):
-            return self._gloo.allreduce(tensors, opts or dist.AllreduceOptions())
+            return _finished(self._gloo.allreduce(tensors, opts or dist.AllreduceOptions()))
         op, factor = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         mesh = self._mesh(tensors)
         for t in tensors:
@@ -125,12 +132,12 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(tensors):
-            return self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+            return _finished(self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(tensors):
-            return self._gloo.reduce(tensors, opts)
+            return _finished(self._gloo.reduce(tensors, opts))
         op, factor = _op(opts.reduceOp)
         mesh = self._mesh(tensors)
         for t in tensors:
@@ -141,7 +148,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(tensors):
-            return self._gloo.broadcast(tensors, opts)
+            return _finished(self._gloo.broadcast(tensors, opts))
         mesh = self._mesh(tensors)
         for t in tensors:
             buffers.write_flat(t, collectives.broadcast(mesh, buffers.flat_value(t), opts.rootRank))
@@ -149,7 +156,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(inputs + [t for outs in output_lists for t in outs]):
-            return self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
+            return _finished(self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions()))
         mesh = self._mesh(inputs)
         for outs, t in zip(output_lists, inputs, strict=True):
             self._check_list(outs, t, "all_gather")
@@ -161,7 +168,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         if not _on_device([output, input]):
-            return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+            return _finished(self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions()))
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"torchbridge: all_gather_into_tensor: output has {output.numel()} elements, expected "
                              f"{self.size()} x {input.numel()} (group size x input)")
@@ -180,7 +187,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         if not _on_device(outputs + [t for ins in input_lists for t in ins]):
-            return self._gloo.reduce_scatter(outputs, input_lists, opts)
+            return _finished(self._gloo.reduce_scatter(outputs, input_lists, opts))
         op, factor = _op(opts.reduceOp)
         mesh = self._mesh(outputs)
         for o, ins in zip(outputs, input_lists, strict=True):
@@ -191,7 +198,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         if not _on_device([output, input]):
-            return self._gloo._reduce_scatter_base(output, input, opts)
+            return _finished(self._gloo._reduce_scatter_base(output, input, opts))
         if input.numel() != output.numel() * self.size():
             raise ValueError(f"torchbridge: reduce_scatter_tensor: input has {input.numel()} elements, expected "
                              f"{self.size()} x {output.numel()} (group size x output)")
@@ -213,7 +220,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                       input_splits: list[int], opts: Any = None) -> Any:
         if not _on_device([output, input]):
-            return self._gloo.alltoall_base(output, input, output_splits, input_splits, opts or dist.AllToAllOptions())
+            return _finished(self._gloo.alltoall_base(output, input, output_splits, input_splits, opts or dist.AllToAllOptions()))
         mesh = self._mesh([input])
         size = self.size()
         row = input.numel() // max(input.shape[0], 1) if input.dim() else 1
@@ -248,7 +255,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         if not _on_device(inputs + outputs):
-            return self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions())
+            return _finished(self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions()))
         mesh = self._mesh(inputs)
         numels = {t.numel() for t in inputs} | {t.numel() for t in outputs}
         if len(numels) == 1:
@@ -267,7 +274,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         if not _on_device(outputs + [t for ins in input_lists for t in ins]):
-            return self._gloo.scatter(outputs, input_lists, opts)
+            return _finished(self._gloo.scatter(outputs, input_lists, opts))
         mesh = self._mesh(outputs)
         out = outputs[0]
         if self.rank() == opts.rootRank:
@@ -283,7 +290,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         if not _on_device(inputs + [t for outs in output_lists for t in outs]):
-            return self._gloo.gather(output_lists, inputs, opts)
+            return _finished(self._gloo.gather(output_lists, inputs, opts))
         mesh = self._mesh(inputs)
         t = inputs[0]
         gathered = collectives.all_gather(mesh, buffers.flat_value(t))

@@ -1,7 +1,7 @@
 """JAX's distributed runtime, started for a torch.distributed job: one process per chip.
 
 JAX must join its distributed runtime before its backend starts, and the backend starts when the
-device is first used (device/state.py runs `before_backend` hooks). Two ways in, whichever comes first:
+device is first used (device/runtime.py runs `before_backend` hooks). Two ways in, whichever comes first:
 - under torchrun (its agent's TCPStore at MASTER_ADDR:MASTER_PORT exists before the workers start),
   the first use of the device starts the runtime;
 - otherwise the creation of the device's process group does (`init_process_group`), with its store.

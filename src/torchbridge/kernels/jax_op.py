@@ -22,7 +22,7 @@ from jax._src import config as jax_config
 
 from torchbridge.device import custom_ops, dtypes
 from torchbridge.device.lowerings import registry
-from torchbridge.device.state import STATE
+from torchbridge.device.runtime import STATE
 from torchbridge.kernels.signature import Signature
 
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
@@ -79,6 +79,36 @@ class FlowControl:
     def release(self) -> None:
         self.inflight -= 1
         self._sem.release()
+
+
+class _FlowSlot:
+    """One admitted request's place in FlowControl, given back exactly once: by the proxy, or by the
+    stream it handed the response to."""
+
+    def __init__(self, flow: FlowControl) -> None:
+        self.flow = flow
+        self.handed_off = False  # a StreamingResponse owns the slot and releases it when done
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.flow.release()
+
+
+class _Started(NamedTuple):
+    """A replica that has started answering: its response, the rest of its bytes, the first ones."""
+
+    upstream: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes
+
+
+class _Failure(NamedTuple):
+    """Why an attempt produced no response bytes; a 5xx keeps (status, body, headers) to pass on."""
+
+    error: str
+    response: tuple[int, bytes, dict[str, str]] | None = None
 
 
 class Router:
@@ -146,19 +176,11 @@ class Router:
             self.metrics.inflight.set(self.flow.inflight)
 
     async def proxy(self, request: Request, path: str) -> Response:
-        raw = await read_limited(request, self.cfg.max_request_bytes)
-        if raw is None:
-            resp = openai_error(413, f"the request body is larger than {self.cfg.max_request_bytes} bytes",
-                                "invalid_request_error", "request_too_large")
-            resp.headers["connection"] = "close"  # the rest of the body was not read
-            return self._final(resp)
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-        except ValueError as e:
-            return self._final(openai_error(400, f"invalid JSON body: {e}", "invalid_request_error"))
-        stream = bool(body.get("stream"))
+        """Admit the request, then send it to picked replicas until one starts answering."""
+        parsed = await self._read_body(request)
+        if isinstance(parsed, Response):
+            return parsed
+        raw, body = parsed
         session = request.headers.get(self.cfg.session_header)
         profile = request.headers.get(self.cfg.profile_header)
         if profile is not None and profile not in self.picker.profiles:
@@ -173,91 +195,114 @@ class Router:
             return self._final(openai_error(
                 429, f"router queue is full ({self.flow.max_queue} waiting, {self.flow.max_inflight} in flight); "
                      "retry later", "rate_limit_exceeded", "router_queue_full"))
-        released = False
-        handed_off = False  # a StreamingResponse now owns the slot and releases it when done
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                assert self.flow is not None
-                self.flow.release()
-
+        slot = _FlowSlot(self.flow)
         try:
-            headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-            headers["accept-encoding"] = "identity"  # relay bytes exactly as produced
-            tried: list[str] = []
-            last_error = "no healthy replica available"
-            last_resp: tuple[int, bytes, dict[str, str]] | None = None
-            t_start = time.perf_counter()
-            for _attempt in range(self.cfg.retries + 1):
-                try:
-                    d = self.picker.pick(ctx, profile, exclude=tried)
-                except NoReplicaError:
-                    break
-                self._record_decision(d)
-                self.picker.on_dispatch(d, session)
-                rep = self.pool.get(d.replica)
-                if rep is None:  # removed between pick and now
-                    self.picker.on_finish(d, ok=False)
-                    tried.append(d.replica)
-                    continue
-                try:
-                    upstream = await self.client.send(
-                        self.client.build_request("POST", rep.url + path, content=raw, headers=headers), stream=True)
-                except httpx.HTTPError as e:
-                    self._failed(d, tried, f"{type(e).__name__}: {e}", passive=True)
-                    last_error = f"replica {d.replica}: {type(e).__name__}"
-                    continue
-                if upstream.status_code >= 500:
-                    content = await upstream.aread()
-                    await upstream.aclose()
-                    self._failed(d, tried, f"HTTP {upstream.status_code}", passive=False)
-                    last_error = f"replica {d.replica}: HTTP {upstream.status_code}"
-                    last_resp = (upstream.status_code, content, dict(upstream.headers))
-                    continue
-                chunks = upstream.aiter_raw()
-                try:
-                    first = await chunks.__anext__()
-                except StopAsyncIteration:
-                    first = b""
-                except httpx.HTTPError as e:
-                    await upstream.aclose()
-                    self._failed(d, tried, f"{type(e).__name__}: {e}", passive=True)
-                    last_error = f"replica {d.replica}: {type(e).__name__} before first byte"
-                    continue
-                # Committed: the client gets this replica's answer, whatever happens next.
-                self.picker.on_first_token(d)
-                self.metrics.ttft.observe(time.perf_counter() - t_start)
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
-                out_headers[REPLICA_HEADER] = d.replica
-                if not stream or not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    try:
-                        rest = b"".join([c async for c in chunks])
-                        ok = True
-                    except httpx.HTTPError:
-                        rest, ok = b"", False
-                    finally:
-                        await upstream.aclose()
-                    self.picker.on_finish(d, ok=True)
-                    release()
-                    if not ok:
-                        return self._final(openai_error(502, f"replica {d.replica} broke off its response",
-                                                        "upstream_error"))
-                    return self._final(Response(first + rest, status_code=upstream.status_code, headers=out_headers))
-                self.metrics.requests.labels(str(upstream.status_code)).inc()
-                handed_off = True
-                return StreamingResponse(self._relay(first, chunks, upstream, d, release),
-                                         status_code=upstream.status_code, headers=out_headers)
-            if last_resp is not None and len(tried) > self.cfg.retries:
-                status, content, hdrs = last_resp
-                ct = hdrs.get("content-type", "application/json")
-                return self._final(Response(content, status_code=status, media_type=ct))
-            return self._final(openai_error(503, f"no replica could serve the request ({last_error}; "
-                                                 f"tried {tried or 'none'})", "service_unavailable"))
+            return await self._forward(request, path, raw, ctx, session, profile, bool(body.get("stream")), slot)
         finally:
-            if not handed_off:
-                release()
+            if not slot.handed_off:
+                slot.release()
+
+    async def _read_body(self, request: Request) -> tuple[bytes, dict] | Response:
+        """The raw body and its JSON object, or the error response (413 before reading past the limit, 400)."""
+        raw = await read_limited(request, self.cfg.max_request_bytes)
+        if raw is None:
+            resp = openai_error(413, f"the request body is larger than {self.cfg.max_request_bytes} bytes",
+                                "invalid_request_error", "request_too_large")
+            resp.headers["connection"] = "close"  # the rest of the body was not read
+            return self._final(resp)
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as e:
+            return self._final(openai_error(400, f"invalid JSON body: {e}", "invalid_request_error"))
+        return raw, body
+
+    async def _forward(self, request: Request, path: str, raw: bytes, ctx: Any, session: str | None,
+                       profile: str | None, stream: bool, slot: _FlowSlot) -> Response:
+        """Up to 1 + retries picks; the first replica that produces response bytes gets the request."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers["accept-encoding"] = "identity"  # relay bytes exactly as produced
+        tried: list[str] = []
+        last = _Failure("no healthy replica available")
+        t_start = time.perf_counter()
+        for _attempt in range(self.cfg.retries + 1):
+            try:
+                d = self.picker.pick(ctx, profile, exclude=tried)
+            except NoReplicaError:
+                break
+            self._record_decision(d)
+            self.picker.on_dispatch(d, session)
+            rep = self.pool.get(d.replica)
+            if rep is None:  # removed between pick and now
+                self.picker.on_finish(d, ok=False)
+                tried.append(d.replica)
+                continue
+            started = await self._start(rep.url + path, raw, headers, d, tried)
+            if isinstance(started, _Failure):
+                last = _Failure(started.error, started.response or last.response)
+                continue
+            # Committed: the client gets this replica's answer, whatever happens next.
+            self.picker.on_first_token(d)
+            self.metrics.ttft.observe(time.perf_counter() - t_start)
+            return await self._answer(d, started, stream, slot)
+        if last.response is not None and len(tried) > self.cfg.retries:
+            status, content, hdrs = last.response
+            return self._final(Response(content, status_code=status,
+                                        media_type=hdrs.get("content-type", "application/json")))
+        return self._final(openai_error(503, f"no replica could serve the request ({last.error}; "
+                                             f"tried {tried or 'none'})", "service_unavailable"))
+
+    async def _start(self, url: str, raw: bytes, headers: dict[str, str], d: Decision,
+                     tried: list[str]) -> _Started | _Failure:
+        """Send the request and wait for the first response bytes; a failure before them (transport
+        error, 5xx) is recorded against the replica and leaves the request free to go elsewhere."""
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", url, content=raw, headers=headers),
+                                              stream=True)
+        except httpx.HTTPError as e:
+            self._failed(d, tried, f"{type(e).__name__}: {e}", passive=True)
+            return _Failure(f"replica {d.replica}: {type(e).__name__}")
+        if upstream.status_code >= 500:
+            content = await upstream.aread()
+            await upstream.aclose()
+            self._failed(d, tried, f"HTTP {upstream.status_code}", passive=False)
+            return _Failure(f"replica {d.replica}: HTTP {upstream.status_code}",
+                            (upstream.status_code, content, dict(upstream.headers)))
+        chunks = upstream.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except httpx.HTTPError as e:
+            await upstream.aclose()
+            self._failed(d, tried, f"{type(e).__name__}: {e}", passive=True)
+            return _Failure(f"replica {d.replica}: {type(e).__name__} before first byte")
+        return _Started(upstream, chunks, first)
+
+    async def _answer(self, d: Decision, started: _Started, stream: bool, slot: _FlowSlot) -> Response:
+        """The committed replica's answer: relayed as a stream (the stream then owns the flow slot), or
+        read whole (a break-off after the first bytes is a 502: nothing can be retried by then)."""
+        upstream, chunks, first = started
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        out_headers[REPLICA_HEADER] = d.replica
+        if stream and upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            self.metrics.requests.labels(str(upstream.status_code)).inc()
+            slot.handed_off = True
+            return StreamingResponse(self._relay(first, chunks, upstream, d, slot.release),
+                                     status_code=upstream.status_code, headers=out_headers)
+        try:
+            rest = b"".join([c async for c in chunks])
+            ok = True
+        except httpx.HTTPError:
+            rest, ok = b"", False
+        finally:
+            await upstream.aclose()
+        self.picker.on_finish(d, ok=True)
+        slot.release()
+        if not ok:
+            return self._final(openai_error(502, f"replica {d.replica} broke off its response", "upstream_error"))
+        return self._final(Response(first + rest, status_code=upstream.status_code, headers=out_headers))
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response, d: Decision,
                      release: Any) -> AsyncIterator[bytes]:

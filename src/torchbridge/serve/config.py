@@ -129,10 +129,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def _is_bridge_device(device: str) -> bool:
-    import sys
-
-    tb = sys.modules.get("torchbridge")
-    return tb is not None and torch.device(device).type == tb.device_name()
+    """Whether `device` is the bridge's, asked of torch: the name PrivateUse1 is registered under, with
+    torchbridge's device module (`torch.<name>`) behind it."""
+    kind = str(device).split(":", 1)[0]
+    if kind != torch._C._get_privateuse1_backend_name():
+        return False
+    return type(getattr(torch, kind, None)).__module__.startswith("torchbridge.")
 
 
 @dataclass

@@ -15,8 +15,8 @@ rank 0's logits are sampled.
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,10 +96,18 @@ _MAX_STEP_GRAPHS = 512
 def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrapper of _step
     import torch._dynamo
 
+    compiled = torch.compile(_step, backend=device.type, dynamic=False)
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, _MAX_STEP_GRAPHS)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, _MAX_STEP_GRAPHS)
-    return torch.compile(_step, backend=device.type, dynamic=False)
+    # Dynamo reads its recompile limits while it compiles, inside the call: raised for the engine's own
+    # calls only, not for other compiled code in the process.
+    limits = cfg.patch(recompile_limit=max(cfg.recompile_limit, _MAX_STEP_GRAPHS),
+                       accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, _MAX_STEP_GRAPHS))
+
+    def step(*args: Any) -> torch.Tensor:
+        with limits:
+            return compiled(*args)
+
+    return step
 
 
 class ModelRunner:
@@ -323,14 +331,14 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
-        # Each bucket is a new shape by design: the compile backend's recompile warnings would only be noise.
-        compile_log = logging.getLogger("torchbridge.compile.backend")
-        level = compile_log.level
-        compile_log.setLevel(logging.ERROR)
-        try:
+        if self.config.compile_model:
+            # Each bucket is a new shape by design: the compile backend's recompile warnings would only be noise.
+            from torchbridge.compile import recompiles_expected
+
+            with recompiles_expected():
+                self._warm(shapes, progress)
+        else:
             self._warm(shapes, progress)
-        finally:
-            compile_log.setLevel(level)
         return len(shapes)
 
     def _warm(self, shapes: list[tuple[str, int, int]], progress: bool) -> None:

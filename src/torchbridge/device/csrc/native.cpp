@@ -7,7 +7,7 @@
 // events and drained by Python in order, which keeps the allocator free of the GIL (it is called from
 // autograd worker threads too).
 
-#include <torch/extension.h>
+#include "native.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
@@ -35,7 +35,7 @@
 
 namespace {
 
-constexpr c10::DeviceType kDevice = c10::DeviceType::PrivateUse1;
+using torchbridge::kDevice;
 
 // ---- device index ---------------------------------------------------------------------------
 std::atomic<int> g_device_count{1};
@@ -79,14 +79,20 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0) t_current_device = d.index();
   }
+  static c10::Device resolved(c10::Device d) {  // no index: the current device, as CUDA's guard does
+    return d.index() < 0 ? c10::Device(kDevice, t_current_device) : d;
+  }
   c10::Stream getStream(c10::Device d) const override {
+    d = resolved(d);
     auto it = t_current_stream.find(d.index());
     return c10::Stream(c10::Stream::UNSAFE, d, it == t_current_stream.end() ? 0 : it->second);
   }
-  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, resolved(d), 0);
+  }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
   c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+    return c10::Stream(c10::Stream::UNSAFE, resolved(d), g_next_stream.fetch_add(1));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto old = getStream(s.device());
@@ -459,358 +465,6 @@ pybind11::list describe(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-// The eager fast path's cache key, built in one pass over a call's Python arguments.
-//
-// Returns None when the call needs the general path (CPU tensors, lists mixing tensors with other
-// values, no device tensor at all), else (key, storage_ptrs, scalars). The key holds the op id, a byte string packing
-// every device tensor's storage slot (aliasing), storage size, shape, strides, offset, dtype and
-// device, plus the *type* of each dynamic scalar, and then every other argument as a constant.
-// `dynamic` names, per position (then per kwarg name), the arguments whose numbers are traced values.
-namespace sig {
-
-void put(std::string& blob, int64_t v) { blob.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
-
-bool add(PyObject* obj, bool dynamic, std::string& blob, pybind11::list& consts, std::vector<uint64_t>& ptrs,
-         pybind11::list& scalars, bool& any_device) {
-  if (THPVariable_Check(obj)) {
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    if (!t.defined() || t.device().type() != kDevice) return false;
-    any_device = true;
-    const auto& storage = t.storage();
-    auto p = reinterpret_cast<uint64_t>(storage.data());
-    int64_t slot = -1;
-    for (size_t i = 0; i < ptrs.size(); ++i)
-      if (ptrs[i] == p) slot = static_cast<int64_t>(i);
-    if (slot < 0) {
-      slot = static_cast<int64_t>(ptrs.size());
-      ptrs.push_back(p);
-    }
-    put(blob, 'T');
-    put(blob, slot);
-    put(blob, static_cast<int64_t>(storage.nbytes()));
-    put(blob, t.dim());
-    for (auto v : t.sizes()) put(blob, v);
-    for (auto v : t.strides()) put(blob, v);
-    put(blob, t.storage_offset());
-    put(blob, static_cast<int64_t>(t.scalar_type()));
-    put(blob, t.device().index());
-    // conj/neg views reach some kernels unresolved (mm, dot, ...): a different program
-    put(blob, static_cast<int64_t>(t.is_conj()) | (static_cast<int64_t>(t.is_neg()) << 1));
-    return true;
-  }
-  if (dynamic && (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj) || PyBool_Check(obj))) {
-    put(blob, PyBool_Check(obj) ? 'b' : PyFloat_CheckExact(obj) ? 'f' : 'i');
-    scalars.append(pybind11::handle(obj));
-    return true;
-  }
-  if (PyList_Check(obj) || PyTuple_Check(obj)) {
-    pybind11::sequence seq = pybind11::reinterpret_borrow<pybind11::sequence>(obj);
-    Py_ssize_t n = PySequence_Size(obj);
-    if (n > 0 && THPVariable_Check(PySequence_Fast_GET_ITEM(obj, 0))) {
-      // a tensor list (cat's inputs, a _foreach_ op's operands): every item a device tensor, in the
-      // order dispatch._Call.encode flattens them, so storage slots match the general path's
-      put(blob, 'L');
-      put(blob, n);
-      for (auto item : seq)
-        if (!THPVariable_Check(item.ptr()) || !add(item.ptr(), false, blob, consts, ptrs, scalars, any_device))
-          return false;
-      return true;
-    }
-    for (auto item : seq)
-      if (THPVariable_Check(item.ptr()) || PyList_Check(item.ptr()) || PyTuple_Check(item.ptr())) return false;
-    put(blob, 'C');
-    for (auto item : seq) put(blob, reinterpret_cast<int64_t>(Py_TYPE(item.ptr())));
-    consts.append(pybind11::tuple(seq));
-    return true;
-  }
-  put(blob, 'C');
-  put(blob, reinterpret_cast<int64_t>(Py_TYPE(obj)));  // 1, 1.0 and True are equal keys but not equal programs
-  consts.append(pybind11::handle(obj));
-  return true;
-}
-
-// The key of one call: args[start:] and kwargs (may be null). False when the call needs the general path.
-bool build(int64_t op_id, PyObject* args, Py_ssize_t start, PyObject* kwargs, PyObject* dynamic, PyObject* dynamic_kw,
-           pybind11::object& key, std::vector<uint64_t>& ptrs, pybind11::list& scalars) {
-  std::string blob;
-  pybind11::list consts;
-  bool any_device = false;
-  Py_ssize_t n = PyTuple_GET_SIZE(args), ndyn = PyTuple_GET_SIZE(dynamic);
-  for (Py_ssize_t i = start; i < n; ++i) {
-    bool dyn = i - start < ndyn && PyTuple_GET_ITEM(dynamic, i - start) == Py_True;
-    if (!add(PyTuple_GET_ITEM(args, i), dyn, blob, consts, ptrs, scalars, any_device)) return false;
-  }
-  if (kwargs != nullptr) {
-    PyObject *name, *value;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(kwargs, &pos, &name, &value)) {
-      put(blob, 'K');
-      consts.append(pybind11::handle(name));
-      int dyn = PySet_Contains(dynamic_kw, name);
-      if (dyn < 0) throw pybind11::error_already_set();
-      if (!add(value, dyn == 1, blob, consts, ptrs, scalars, any_device)) return false;
-    }
-  }
-  if (!any_device) return false;
-  pybind11::tuple k(2 + consts.size());
-  k[0] = pybind11::int_(op_id);
-  k[1] = pybind11::bytes(blob);
-  for (size_t i = 0; i < consts.size(); ++i) k[2 + i] = consts[i];
-  key = std::move(k);
-  return true;
-}
-
-pybind11::object signature(int64_t op_id, pybind11::tuple args, pybind11::dict kwargs, pybind11::tuple dynamic,
-                           pybind11::frozenset dynamic_kw) {
-  pybind11::object key;
-  pybind11::list scalars;
-  std::vector<uint64_t> ptrs;
-  if (!build(op_id, args.ptr(), 0, kwargs.ptr(), dynamic.ptr(), dynamic_kw.ptr(), key, ptrs, scalars))
-    return pybind11::none();
-  pybind11::tuple p(ptrs.size());
-  for (size_t i = 0; i < ptrs.size(); ++i) p[i] = pybind11::int_(ptrs[i]);
-  return pybind11::make_tuple(key, p, pybind11::tuple(scalars));
-}
-
-}  // namespace sig
-
-// ---- the eager fast path's entry point ------------------------------------------------------------
-// Every device kernel the Python side registers is `fast_call(op, *args, **kwargs)`. A repeat call
-// (same key as a call the general path already ran) is served here: key, buffer lookup, the jitted
-// program, the output tensors. Anything else, or anything unusual on the way, goes to the Python
-// fallback, which runs the same call through the general path (and may remember it for next time).
-namespace fastpath {
-
-// Set once by Python (dispatch.install_fast_path) and kept for the life of the process.
-PyObject* g_fast = nullptr;        // dict: key -> dispatch._Fast
-PyObject* g_table = nullptr;       // dict: storage address -> buffer (the storage table)
-PyObject* g_array_type = nullptr;  // the concrete buffer class; anything else goes slow ...
-PyObject* g_pending_type = nullptr;  // ... but fused mode's placeholders (fused.Pending) while it records
-PyObject* g_last = nullptr;        // dict: device index -> last results (what synchronize() waits on)
-PyObject* g_slow = nullptr;        // ops.fallback(op, *args, **kwargs)
-PyObject* g_drain = nullptr;       // the storage table's drain()
-PyObject* g_next_rng = nullptr;    // STATE.next_rng(device index, values drawn)
-PyObject* g_rebuild = nullptr;     // dispatch._rebuild(out_struct, outputs)
-PyObject* g_record = nullptr;      // fused.record_fast(program, bufs, scalars, rng) -> (updated, new, flush)
-PyObject* g_flush = nullptr;       // the storage table's flush(): runs what fused mode recorded
-PyObject* g_zeros = nullptr;       // storage.zeros(count, dtype, device): a fresh storage's (shared) zero buffer
-PyObject* g_dtype = nullptr;       // "dtype"
-PyObject* g_call = nullptr;        // "call"
-bool g_enabled = false;            // on once setup() ran
-bool g_fused = false;              // fused eager mode: a hit records the program instead of running it
-uint64_t g_hits = 0;               // calls served here (torchbridge.metrics()["fast_path_hits"])
-std::unordered_map<PyObject*, std::pair<PyObject*, PyObject*>> g_ops;  // op -> (dynamic per position, dynamic kwargs)
-
-// dispatch._Fast's fields, in order; setup() checks them.
-enum Field { kProgram, kBufferDtypes, kDevIndex, kReturns, kReturnsNone, kZeros, kOutputs, kSingle, kFn,
-             kWrites, kRandom, kOutStruct, kZeroes, kNumFields };
-const char* kFieldNames[kNumFields] = {"program", "buffer_dtypes", "dev_index", "returns",
-                                       "returns_none", "zeros", "outputs", "single", "fn", "writes",
-                                       "random", "out_struct", "zeroes"};
-
-void setup(pybind11::object fast, pybind11::object table, pybind11::object array_type, pybind11::object last,
-           pybind11::object slow, pybind11::object drain, pybind11::object next_rng, pybind11::object rebuild,
-           pybind11::object pending_type, pybind11::object record, pybind11::object flush, pybind11::object zeros,
-           pybind11::tuple fields) {
-  TORCH_CHECK(fields.size() == kNumFields, "torchbridge: _Fast has ", fields.size(), " fields, the fast path expects ",
-              static_cast<int>(kNumFields));
-  for (int i = 0; i < kNumFields; ++i)
-    TORCH_CHECK(fields[i].cast<std::string>() == kFieldNames[i], "torchbridge: _Fast field ", i, " is ",
-                fields[i].cast<std::string>(), ", the fast path expects ", kFieldNames[i]);
-  g_fast = fast.release().ptr();
-  g_table = table.release().ptr();
-  g_array_type = array_type.release().ptr();
-  g_last = last.release().ptr();
-  g_slow = slow.release().ptr();
-  g_drain = drain.release().ptr();
-  g_next_rng = next_rng.release().ptr();
-  g_rebuild = rebuild.release().ptr();
-  g_pending_type = pending_type.release().ptr();
-  g_record = record.release().ptr();
-  g_flush = flush.release().ptr();
-  g_zeros = zeros.release().ptr();
-  g_dtype = PyUnicode_InternFromString("dtype");
-  g_call = PyUnicode_InternFromString("call");
-  g_enabled = true;
-}
-
-void register_op(pybind11::object op, pybind11::tuple dynamic, pybind11::frozenset dynamic_kw) {
-  if (g_ops.count(op.ptr())) return;
-  g_ops.emplace(op.release().ptr(), std::make_pair(dynamic.release().ptr(), dynamic_kw.release().ptr()));
-}
-
-using pybind11::object;
-using pybind11::reinterpret_borrow;
-using pybind11::reinterpret_steal;
-
-object checked(PyObject* o) {
-  if (o == nullptr) throw pybind11::error_already_set();
-  return reinterpret_steal<object>(o);
-}
-
-std::vector<int64_t> ints(PyObject* seq) {
-  std::vector<int64_t> out;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  out.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i)));
-  return out;
-}
-
-object finish(PyObject* entry, PyObject* args, PyObject* kwargs, PyObject* dev_index, const object& fresh);
-
-// The result of a hit, or a null object for "take the general path" (no Python error set).
-object hit(PyObject* op, PyObject* args, PyObject* kwargs) {
-  auto known = g_ops.find(op);
-  if (known == g_ops.end()) return object();
-  object key;
-  pybind11::list scalar_list;
-  std::vector<uint64_t> ptrs;
-  if (!sig::build(reinterpret_cast<int64_t>(op), args, 1, kwargs, known->second.first, known->second.second, key,
-                  ptrs, scalar_list))
-    return object();
-  PyObject* entry = PyDict_GetItemWithError(g_fast, key.ptr());  // borrowed
-  if (entry == nullptr) {
-    if (PyErr_Occurred()) throw pybind11::error_already_set();
-    return object();
-  }
-  object hold = reinterpret_borrow<object>(entry);  // the program call may run Python that clears the cache
-  PyObject* dtypes = PyTuple_GET_ITEM(entry, kBufferDtypes);
-  std::vector<object> keys;
-  keys.reserve(ptrs.size());
-  pybind11::list bufs(ptrs.size());
-  for (size_t i = 0; i < ptrs.size(); ++i) {
-    keys.push_back(checked(PyLong_FromUnsignedLongLong(ptrs[i])));
-    PyObject* b = PyDict_GetItemWithError(g_table, keys.back().ptr());
-    if (b == nullptr) {  // never written (torch.zeros' empty before its fill_, a fresh out= tensor): zeros
-      if (PyErr_Occurred()) throw pybind11::error_already_set();
-      if (PyTuple_GET_ITEM(entry, kZeroes) == Py_True)  // zero_ of it (e.g. autograd's zero gradients)
-        return finish(entry, args, kwargs, PyTuple_GET_ITEM(entry, kDevIndex), object());
-      object z = checked(PyObject_Call(g_zeros, PyTuple_GET_ITEM(PyTuple_GET_ITEM(entry, kZeros), i), nullptr));
-      if (PyDict_SetItem(g_table, keys.back().ptr(), z.ptr()) < 0) throw pybind11::error_already_set();
-      b = z.ptr();  // the table holds it now
-    }
-    PyTypeObject* type = Py_TYPE(b);
-    if (type != reinterpret_cast<PyTypeObject*>(g_array_type) &&
-        !(g_fused && type == reinterpret_cast<PyTypeObject*>(g_pending_type)))
-      return object();
-    object dt = checked(PyObject_GetAttr(b, g_dtype));
-    int same = PyObject_RichCompareBool(dt.ptr(), PyList_GET_ITEM(dtypes, i), Py_EQ);
-    if (same < 0) throw pybind11::error_already_set();
-    if (!same) return object();  // the storage holds another dtype's bits now
-    bufs[i] = reinterpret_borrow<object>(b);
-  }
-  PyObject* dev_index = PyTuple_GET_ITEM(entry, kDevIndex);
-  // a random op draws `random` values: the device's (seed, offset), then the offset moves past them
-  PyObject* draws = PyTuple_GET_ITEM(entry, kRandom);
-  object rng = PyObject_IsTrue(draws) == 1
-                   ? checked(PyObject_CallFunctionObjArgs(g_next_rng, dev_index, draws, nullptr))
-                   : reinterpret_borrow<object>(Py_None);
-  object scalars = checked(PySequence_Tuple(scalar_list.ptr()));
-  object empty = checked(PyTuple_New(0));
-  PyObject* writes = PyTuple_GET_ITEM(entry, kWrites);
-  object result;
-  bool flush = false;
-  if (g_fused) {  // record it; the table takes the placeholders of its results below
-    object tup = checked(PyList_AsTuple(bufs.ptr()));
-    object rec = checked(PyObject_CallFunctionObjArgs(g_record, PyTuple_GET_ITEM(entry, kProgram), tup.ptr(),
-                                                      scalars.ptr(), rng.ptr(), nullptr));
-    flush = PyObject_IsTrue(PyTuple_GET_ITEM(rec.ptr(), 2)) == 1;
-    result = checked(PyTuple_GetSlice(rec.ptr(), 0, 2));
-  } else if (PyTuple_GET_SIZE(writes) > 0) {
-    // _Program.call decides on buffer donation from reference counts: `bufs` must hold the only
-    // references besides the table's.
-    object call = checked(PyObject_GetAttr(PyTuple_GET_ITEM(entry, kProgram), g_call));
-    result = checked(PyObject_CallFunctionObjArgs(call.ptr(), bufs.ptr(), scalars.ptr(), empty.ptr(), empty.ptr(),
-                                                  rng.ptr(), dev_index, nullptr));
-  } else {
-    object tup = checked(PyList_AsTuple(bufs.ptr()));
-    result = checked(PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(entry, kFn), tup.ptr(), scalars.ptr(),
-                                                  empty.ptr(), empty.ptr(), rng.ptr(), nullptr));
-  }
-  bufs = pybind11::list();
-  object parts = checked(PySequence_Tuple(result.ptr()));
-  TORCH_CHECK(PyTuple_GET_SIZE(parts.ptr()) == 2, "torchbridge: a device program returned ",
-              PyTuple_GET_SIZE(parts.ptr()), " parts, expected (updated, new)");
-  if (!g_fused && PyDict_SetItem(g_last, dev_index, parts.ptr()) < 0) throw pybind11::error_already_set();
-  object updated = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 0), "updated buffers"));
-  object fresh = checked(PySequence_Fast(PyTuple_GET_ITEM(parts.ptr(), 1), "new buffers"));
-  Py_ssize_t nw = PyTuple_GET_SIZE(writes);
-  TORCH_CHECK(PySequence_Fast_GET_SIZE(updated.ptr()) == nw, "torchbridge: a device program updated the wrong number of buffers");
-  for (Py_ssize_t i = 0; i < nw; ++i) {
-    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(writes, i));
-    if (PyDict_SetItem(g_table, keys.at(slot).ptr(), PySequence_Fast_GET_ITEM(updated.ptr(), i)) < 0)
-      throw pybind11::error_already_set();
-  }
-  object ret = finish(entry, args, kwargs, dev_index, fresh);
-  if (flush) checked(PyObject_CallNoArgs(g_flush));  // after the table holds this op's placeholders
-  return ret;
-}
-
-// The return value of a hit whose written buffers are in the table: the written arguments, or
-// new output tensors holding `fresh`.
-object finish(PyObject* entry, PyObject* args, PyObject* kwargs, PyObject* dev_index, const object& fresh) {
-  PyObject* returns = PyTuple_GET_ITEM(entry, kReturns);
-  if (returns != Py_None) {
-    if (PyTuple_GET_ITEM(entry, kReturnsNone) == Py_True) return reinterpret_borrow<object>(Py_None);
-    Py_ssize_t nr = PyTuple_GET_SIZE(returns);
-    pybind11::tuple vals(nr);
-    for (Py_ssize_t i = 0; i < nr; ++i) {
-      PyObject* r = PyTuple_GET_ITEM(returns, i);
-      PyObject* v = PyLong_Check(r) ? PyTuple_GET_ITEM(args, 1 + PyLong_AsSsize_t(r)) : PyDict_GetItem(kwargs, r);
-      TORCH_CHECK(v != nullptr, "torchbridge: fast path lost a returned argument");
-      vals[i] = reinterpret_borrow<object>(v);
-    }
-    return nr == 1 ? object(vals[0]) : object(vals);
-  }
-  PyObject* outputs = PyTuple_GET_ITEM(entry, kOutputs);
-  Py_ssize_t no = PyTuple_GET_SIZE(outputs);
-  TORCH_CHECK(PySequence_Fast_GET_SIZE(fresh.ptr()) == no, "torchbridge: a device program made the wrong number of outputs");
-  auto device = c10::Device(kDevice, static_cast<c10::DeviceIndex>(PyLong_AsLong(dev_index)));
-  pybind11::list outs(no);
-  for (Py_ssize_t i = 0; i < no; ++i) {
-    PyObject* spec = PyTuple_GET_ITEM(outputs, i);  // (shape, strides, dtype code)
-    auto shape = ints(PyTuple_GET_ITEM(spec, 0));
-    auto strides = ints(PyTuple_GET_ITEM(spec, 1));
-    auto code = static_cast<at::ScalarType>(PyLong_AsLong(PyTuple_GET_ITEM(spec, 2)));
-    at::Tensor t = empty_strided(shape, strides, code, std::nullopt, device, std::nullopt);
-    object k = checked(PyLong_FromUnsignedLongLong(reinterpret_cast<uint64_t>(t.storage().data())));
-    if (PyDict_SetItem(g_table, k.ptr(), PySequence_Fast_GET_ITEM(fresh.ptr(), i)) < 0)
-      throw pybind11::error_already_set();
-    outs[i] = checked(THPVariable_Wrap(std::move(t)));
-  }
-  if (PyTuple_GET_ITEM(entry, kSingle) == Py_True) return outs[0];
-  return checked(PyObject_CallFunctionObjArgs(g_rebuild, PyTuple_GET_ITEM(entry, kOutStruct), outs.ptr(), nullptr));
-}
-
-PyObject* fast_call(PyObject*, PyObject* args, PyObject* kwargs) {
-  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) {
-    PyErr_SetString(PyExc_TypeError, "torchbridge: fast_call(op, *args, **kwargs)");
-    return nullptr;
-  }
-  if (!g_enabled) return PyObject_Call(g_slow, args, kwargs);
-  try {
-    if (g_has_events.load(std::memory_order_relaxed)) checked(PyObject_CallNoArgs(g_drain));
-    object r = hit(PyTuple_GET_ITEM(args, 0), args, kwargs);
-    if (r) {
-      ++g_hits;
-      return r.release().ptr();
-    }
-  } catch (pybind11::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  return PyObject_Call(g_slow, args, kwargs);
-}
-
-PyMethodDef g_fast_call_def = {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call)),
-                               METH_VARARGS | METH_KEYWORDS,
-                               "fast_call(op, *args, **kwargs): the device kernel of every op (see native.cpp)"};
-
-}  // namespace fastpath
-
 bool g_registered = false;
 
 void install(int device_count) {
@@ -823,6 +477,17 @@ void install(int device_count) {
 }
 
 }  // namespace
+
+namespace torchbridge {
+
+at::Tensor new_device_tensor(c10::IntArrayRef size, c10::IntArrayRef stride, at::ScalarType dtype,
+                             c10::DeviceIndex index) {
+  return empty_strided(size, stride, dtype, std::nullopt, c10::Device(kDevice, index), std::nullopt);
+}
+
+bool has_storage_events() { return g_has_events.load(std::memory_order_relaxed); }
+
+}  // namespace torchbridge
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
@@ -892,8 +557,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "synchronize(device), memory_info(device) -> (free, total), empty_cache(): what streams, events and "
       "torch.accelerator's memory functions call");
-  m.def("describe", &describe, "per-tensor layout tuples for the eager cache key");
-  m.def("signature", &sig::signature, "the eager fast path's cache key for one call, or None");
+  m.def("describe", &describe, "per-tensor layout tuples for the eager dispatcher");
+  torchbridge::bind_fast_path(m);
   m.def(
       "new_tensor",
       [](std::vector<int64_t> size, std::vector<int64_t> stride, int scalar_type, int device) {
@@ -903,12 +568,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return pybind11::make_tuple(t, reinterpret_cast<uint64_t>(t.storage().data()));
       },
       "a fresh device tensor and its storage key");
-  m.def("fast_setup", &fastpath::setup, "hand the fast path its dictionaries and Python fallbacks");
-  m.def("fast_register_op", &fastpath::register_op, "let fast_call serve this op's remembered calls");
-  m.def("fast_hits", []() { return fastpath::g_hits; });
-  m.def("fast_fused", [](bool on) { fastpath::g_fused = on; }, "fused eager mode: hits record instead of run");
-  m.add_object("fast_call", pybind11::reinterpret_steal<pybind11::object>(
-                                PyCFunction_NewEx(&fastpath::g_fast_call_def, nullptr, nullptr)));
   m.def("current_device", []() { return static_cast<int>(t_current_device); });
   m.def("set_device", [](int d) {
     TORCH_CHECK(d >= 0 && d < g_device_count.load(), "torchbridge: invalid device index ", d, " (",

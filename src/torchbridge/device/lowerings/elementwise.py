@@ -191,7 +191,7 @@ KERNEL_OVERRIDES.add("conj_physical_")
 
 @lower("conj_physical", "_conj_physical")
 def conj_physical(a):
-    # The input's own conj/neg bits are resolved before we get here (ops.py: math bits).
+    # The input's own conj/neg bits are resolved before we get here (fallback.py: math bits).
     return jnp.conj(a) if jnp.issubdtype(a.dtype, jnp.complexfloating) else a
 
 

@@ -1,7 +1,7 @@
 """Indexing, scatter/gather, masking, concatenation, padding and reordering ops.
 
 Indices arrive as JAX arrays. Boolean masks never reach `index`/`index_put` here: eager mode turns
-them into integer indices first (ops._index_masks, like CPU's expandTensors), so programs keep static
+them into integer indices first (fallback._index_masks, like CPU's expandTensors), so programs keep static
 shapes. Ops whose output shape depends on values (nonzero, masked_select, unique) are marked
 `dynamic_shape` and run on concrete arrays.
 """

@@ -33,7 +33,7 @@ LOWERINGS: dict[str, Lowering] = {}
 
 # Ops whose CompositeExplicitAutograd kernel would win over the device fallback (PyTorch prefers it to a
 # backend fallback): convolution_overrideable only throws, native_layer_norm detours through batch
-# norm. Lowering modules name such overloads here; ops.register_kernels gives each one an explicit
+# norm. Lowering modules name such overloads here; registration.register gives each one an explicit
 # device kernel that enters the fallback.
 KERNEL_OVERRIDES: set[str] = set()
 
@@ -89,7 +89,7 @@ class TraceContext:
 
     out_shapes: list[tuple[int, ...]] = field(default_factory=list)
     out_dtypes: list[jnp.dtype] = field(default_factory=list)
-    rng: Any = None  # (seed, offset), uint64 each: where a random op draws (device/state.py)
+    rng: Any = None  # (seed, offset), uint64 each: where a random op draws (device/runtime.py)
     # in a graph that runs on several ranks' chips (compile/spmd.py): process group name -> mesh axis
     # ("_sizes": group name -> size), for the lowerings of collectives
     axes: dict[str, Any] = field(default_factory=dict)

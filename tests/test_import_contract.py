@@ -17,7 +17,7 @@ RANK = {"device": 0, "compile": 1, "kernels": 2, "distributed": 2, "serve": 3, "
 GLUE = {"__init__", "__main__", "cli", "run", "doctor", "_register"}
 SHARED = {"block_hash", "request_body"}
 # what the lowering table may use: pure JAX plus the device's value helpers, never the dispatcher
-LOWERING_MAY_USE = {"lowerings", "dtypes", "views", "host_calls", "state"}
+LOWERING_MAY_USE = {"lowerings", "dtypes", "views", "host_calls", "runtime"}
 
 
 def imports(path: Path, module: str) -> list[tuple[int, str]]:
