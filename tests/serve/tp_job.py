@@ -6,8 +6,9 @@ runs it in a process of its own: `python tp_job.py OUT.json MODEL_DIR N DEVICE [
 The single-rank reference is the same `run()`, called in the test's process.
 
 Round 1: prompts of different lengths, some longer than the step's token budget (chunked prefill, so
-steps mix prefill chunks with decodes). Round 2: prompts that share full blocks with round 1's
-(prefix-cache hits) next to new ones.
+steps mix prefill chunks with decodes), with different token limits (some stop after 1 or 2 tokens
+while others go on; the model's end-of-sequence token stops any). Round 2: prompts that share full
+blocks with round 1's (prefix-cache hits) next to new ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_support import mixed_prompts  # noqa: E402
 
-MAX_NEW = 10
+MAX_NEW = (10, 1, 4, 10, 2)  # per prompt, in turn
+
+
+def max_new(i: int) -> int:
+    return MAX_NEW[i % len(MAX_NEW)]
 ENGINE_ARGS = {"block_size": 4, "num_blocks": 128, "max_model_len": 96, "max_num_seqs": 8,
                "max_num_batched_tokens": 16}
 
@@ -45,14 +50,17 @@ def run(model_dir: str, tp: int, device: str, **engine_args: object) -> dict:
         return execute(step, pad)
 
     runner.execute = recorded
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    rounds = []
+    rounds, reasons = [], []
     try:
         for batch in prompts(eng.config.model_config.vocab_size):
-            rounds.append([o.outputs[0].token_ids for o in llm.generate(batch, params)])
+            params = [SamplingParams(temperature=0, max_tokens=max_new(i)) for i in range(len(batch))]
+            outs = llm.generate(batch, params)
+            rounds.append([o.outputs[0].token_ids for o in outs])
+            reasons.append([o.outputs[0].finish_reason for o in outs])
         attn = runner.model.model.layers[0].self_attn
         return {
             "rounds": rounds,
+            "finish_reasons": reasons,
             "prefix_hits": eng.block_manager.prefix_hits,
             "mixed_steps": sum(1 for d, p in steps if d and p),
             "local_kv_heads": runner.kv_caches[0][0].shape[2],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -89,8 +90,15 @@ def main(argv: list[str]) -> int:
     async_engine.start()
     app = create_app(async_engine, args.api_key, args.max_request_bytes, args.tool_call_parser,
                      args.enable_auto_tool_choice)
+    # uvicorn exits gracefully on SIGTERM, then raises the signal again, which would end the process before
+    # the engine (and its tensor-parallel workers) shut down: let it raise SystemExit instead.
+    signal.signal(signal.SIGTERM, _exit)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

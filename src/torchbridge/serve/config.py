@@ -195,6 +195,10 @@ class EngineConfig:
         from torchbridge.serve.parallel import check_divisible
 
         check_divisible(self.model_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from torchbridge.serve.workers import check_placement
+
+            check_placement(self.device, self.tensor_parallel_size)
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

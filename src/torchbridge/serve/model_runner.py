@@ -298,10 +298,8 @@ class ModelRunner:
         self.workers.send("execute", step, pad)
         try:
             logits, rows = self.execute(step, pad)
-        except Exception as e:
-            # The workers may be inside a collective this rank never reached: no later step could pair up.
-            self.workers.fail(f"rank 0's step failed: {type(e).__name__}: {e}")
-            raise
+        except Exception as e:  # no later step could pair up: the group stops, naming a dead worker if one is
+            raise self.workers.step_failed(e) from e
         return logits.float().cpu(), rows
 
     @torch.inference_mode()

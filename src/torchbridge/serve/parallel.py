@@ -131,7 +131,8 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.tp.rank * block
         mine = (local >= 0) & (local < block)
         rows = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
-        return all_reduce(rows, self.tp)
+        # Ids of other blocks looked up row 0 of this one: zero them, so the sum holds the owner's row only.
+        return all_reduce(rows.masked_fill(~mine[:, None], 0), self.tp)
 
 
 class ParallelLMHead(nn.Linear):

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from torchbridge.serve.config import EngineConfig
-from torchbridge.serve.parallel import TPGroup
+from torchbridge.serve.parallel import FLAG, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +54,58 @@ def pick_port() -> int:
         return s.getsockname()[1]
 
 
+def check_placement(device: str, size: int) -> None:
+    """Refuse, before any worker starts, a group that could not run: fewer chips than `size` from
+    `device`'s index on, or a process that cannot make the group (it has one already; the bridge's
+    device was used before, so JAX started without its distributed runtime). Ranks of a `cpu` group
+    share the host's cores, any number of them."""
+    if size <= 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError(f"{FLAG} {size} makes the engine's own process group, but this process already has a "
+                         "default torch.distributed group; start the engine in a process without one")
+    d = torch.device(device)
+    if d.type == "cpu":
+        return
+    first = d.index or 0
+    if d.type == "cuda":
+        count = torch.cuda.device_count()
+    else:
+        from torchbridge.distributed import runtime
+
+        if runtime.backend_started():
+            raise ValueError(f"{FLAG} {size} on {d.type}: the device was already used in this process, so JAX "
+                             "started without its distributed runtime; create the engine before any other use "
+                             "of the device")
+        count = _local_chips()
+    if first + size > count:
+        hint = (" (emulated chips: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+                if d.type != "cuda" else "")
+        raise ValueError(f"{FLAG} {size} needs chips {d.type}:{first}..{first + size - 1}, one per rank, but this "
+                         f"host has {count}{hint}")
+
+
+def _local_chips() -> int:
+    """The bridge's chips on this host, counted in a child process: counting them here would start JAX's
+    backend, which rank 0 must only start after joining JAX's distributed runtime (with its group)."""
+    code = ("import os, jax; "
+            "print(len(jax.local_devices(backend=os.environ.get('TORCHBRIDGE_PLATFORM') or None)))")
+    env = {**os.environ, "TORCHBRIDGE_NO_DEVICE": "1", "TORCHBRIDGE_DISTRIBUTED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not count the device's chips: {out.stderr[-2000:]}")
+    return int(out.stdout.split()[-1])
+
+
 def join_group(config: EngineConfig, rank: int, port: int, workers: WorkerGroup | None = None) -> TPGroup:
     """Join the engine's process group as `rank`; returns when every rank has joined. The driver (rank 0,
     with its `workers`) hosts the group's store and fails at once if a worker exits before joining."""
-    import time
-
     import torch.distributed as dist
 
     size = config.tensor_parallel_size
     device = torch.device(config.device).type
-    if dist.is_initialized():
-        raise RuntimeError("--tensor-parallel-size > 1 makes the engine's own process group, but this process already "
-                           "has a default torch.distributed group; start the engine in a process without one")
     if device == "cpu":
         backend = "gloo"
         # N ranks share this host's cores: give each its share, so that they do not oversubscribe them.
@@ -143,6 +184,20 @@ class WorkerGroup:
         except (BrokenPipeError, ValueError):
             raise RuntimeError(f"tensor-parallel engine stopped: {self.error or 'a worker exited'}") from None
 
+    def step_failed(self, e: Exception, grace: float = 2.0) -> RuntimeError:
+        """Rank 0's part of a step raised: the group cannot step again (the workers may be inside a
+        collective this rank never reached). A collective that failed because a worker died names the
+        worker: its watcher is given `grace` seconds to see the exit, so the error says why."""
+        deadline = time.monotonic() + grace
+        while self.error is None and time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.poll() is not None:
+                self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
+        reason = f"rank 0's step failed: {type(e).__name__}: {e}"
+        self.fail(reason)
+        return RuntimeError(f"tensor-parallel engine stopped: {self.error or reason}")
+
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}")
@@ -152,7 +207,7 @@ class WorkerGroup:
         with self._lock:
             if self._closing:
                 return
-            self.error = reason
+            self.error = self.error or reason
         log.error("%s; stopping the tensor-parallel workers, the engine cannot step any more", reason)
         self.close()
 
