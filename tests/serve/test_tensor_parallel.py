@@ -290,6 +290,7 @@ def test_a_dead_worker_fails_requests_with_an_error_and_the_server_stops_cleanly
 # ---- a worker's death on the bridge's device -----------------------------------------------------
 @slow
 def test_a_dead_worker_on_the_bridge_device_fails_the_engine_in_bounded_time(tmp_path: Path, llama_dir: Path) -> None:
+    # JAX's runtime would end the engine's process once the dead worker's heartbeats stop: it must not
     out = tmp_path / "dead.json"
     code = f"""
 import json, os, signal, sys, time
@@ -306,7 +307,9 @@ try:
     err = o[0].outputs[0].finish_reason
 except Exception as e:
     err = repr(e)
-json.dump({{"error": str(err), "seconds": time.monotonic() - t, "pid": pid}}, open({str(out)!r}, "w"))
+res = {{"error": str(err), "seconds": time.monotonic() - t, "pid": pid}}
+time.sleep(30)  # past JAX's heartbeat timeout (20 s here): the engine's process must survive it
+json.dump(res, open({str(out)!r}, "w"))
 """
     proc = subprocess.Popen([sys.executable, "-c", code], env=_env(8), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -315,6 +318,7 @@ json.dump({{"error": str(err), "seconds": time.monotonic() - t, "pid": pid}}, op
     finally:
         _stop(proc)
     assert out.exists(), log[-4000:]
+    assert proc.returncode == 0, log[-4000:]  # and then it exited by itself (JAX's exit hook did not wait)
     res = json.loads(out.read_text())
     assert res["seconds"] < 60 and not _alive(res["pid"]), res
     assert res["error"] == "error", (res, log[-3000:])  # the request failed (finish_reason "error")

@@ -113,9 +113,14 @@ def join_group(config: EngineConfig, rank: int, port: int, workers: WorkerGroup 
     elif device == "cuda":
         backend = "nccl"
     else:
+        import jax
+
         from torchbridge.distributed import BACKEND
 
         backend = BACKEND
+        # JAX's runtime ends every process of a job whose peer stopped heartbeating; the engine's process
+        # must outlive a dead worker, to fail the requests with the reason and stop cleanly.
+        jax.config.update("jax_enable_recoverability", True)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=TIMEOUT, wait_for_workers=False)
     store.set(f"tp/joined/{rank}", "1")
     if workers is not None:
