@@ -155,7 +155,7 @@ def test_two_ranks_on_the_bridge_device_op_by_op(tmp_path: Path, odd_vocab_dir: 
 
 
 @slow
-def test_four_ranks_on_cpu(tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_four_ranks_on_cpu(tmp_path: Path) -> None:
     # 4 key/value heads, so that 4 ranks hold one each
     model = save_model(tmp_path / "kv4", "llama", None, vocab_size=323, num_key_value_heads=4)
     got = tp_run(tmp_path, model, 4, "cpu", port_offset=4)
@@ -196,6 +196,16 @@ def test_more_ranks_than_chips_are_refused(llama_dir: Path) -> None:
     out = subprocess.run(cmd, env=_env(9, nproc=1), capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "--tensor-parallel-size 2 needs chips tpu:0..1, one per rank, but this host has 1" in out.stderr
+
+
+def test_a_process_that_used_the_device_already_is_refused(llama_dir: Path) -> None:
+    import torch
+
+    from torchbridge.serve.config import EngineConfig
+
+    torch.zeros(1, device="tpu")  # JAX's backend starts here, without its distributed runtime
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 on tpu: the device was already used"):
+        EngineConfig(model=str(llama_dir), device="tpu", tensor_parallel_size=2)
 
 
 # ---- through the OpenAI server -------------------------------------------------------------------
