@@ -23,6 +23,20 @@ def draw(seed: int) -> list[torch.Tensor]:
             torch.randint(0, 1000, (64,), device=DEV).cpu()]
 
 
+def test_manual_seed_does_not_start_jax():
+    """A script seeds first, then makes a process group (or a tensor-parallel engine), which must join JAX's
+    distributed runtime before JAX's backend starts: seeding must not start it. In a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.manual_seed(5); from torchbridge.distributed import runtime; "
+            "started = runtime.backend_started(); "
+            f"x = torch.randn(8, device='{DEV}:1').cpu(); torch.manual_seed(5); "
+            f"print(started, torch.equal(x, torch.randn(8, device='{DEV}:1').cpu()), torch.{DEV}.initial_seed())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "5"], out.stderr[-3000:]
+
+
 def test_manual_seed_reaches_device_and_reproduces():
     a, b, c = draw(1234), draw(1234), draw(1235)
     assert getattr(torch, DEV).initial_seed() == 1235  # torch.manual_seed reached the device module

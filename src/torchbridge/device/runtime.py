@@ -69,10 +69,15 @@ class _State:
     # part of what the whole tensor would draw (what DTensor's random ops rely on).
     def manual_seed(self, seed: int, device: int | None = None) -> None:
         seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
-        targets = range(len(self.devices)) if device is None else [device]
-        for d in targets:
-            self._seeds[d] = seed
-            self._counters[d] = 0
+        if device is None:
+            # Every chip, without counting them: counting starts JAX's backend, and `torch.manual_seed` (which
+            # calls this) must not, or a process could not join JAX's distributed runtime afterwards.
+            self.default_seed = seed
+            self._seeds.clear()
+            self._counters.clear()
+            return
+        self._seeds[device] = seed
+        self._counters[device] = 0
 
     def initial_seed(self, device: int) -> int:
         return self._seeds.get(device, self.default_seed)

@@ -98,6 +98,14 @@ def start(store: Any, rank: int, world_size: int, timeout: timedelta | None = No
     _started = True
 
 
+def stop() -> None:
+    """Leave JAX's distributed runtime before the process ends: a barrier that every process of the job
+    must reach (JAX's own exit hook does the same at interpreter exit, which is too late for a job
+    whose processes end at different times). The runtime cannot be joined again in this process."""
+    if _started:
+        jax.distributed.shutdown()
+
+
 def local_address(store: Any) -> str:
     """This host's address toward the store's host (where the other ranks meet)."""
     info = launch()

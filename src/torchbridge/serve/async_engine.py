@@ -40,10 +40,11 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive() and self.engine.failure is None
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True,

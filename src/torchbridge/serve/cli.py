@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="K", help="n-gram lookup drafts of K tokens")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N processes, one per chip (rank r computes on <device>:r); "
+                        "N must divide the model's attention and key/value heads")
     p.add_argument("--shape-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
     p.add_argument("--compile", dest="compile_model", action=argparse.BooleanOptionalAction, default=None,
@@ -61,28 +65,40 @@ def main(argv: list[str]) -> int:
     from torchbridge.serve.server import create_app
 
     logging.basicConfig(level=args.log_level.upper())
-    config = EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
-        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
-        kv_events=not args.no_kv_events,
-    )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("torchbridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
+    try:
+        config = EngineConfig(
+            model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
+            tensor_parallel_size=args.tensor_parallel_size, shape_buckets=args.shape_buckets,
+            compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
+            kv_events=not args.no_kv_events,
+        )
+    except ValueError as e:  # a setting this model or device cannot take: say which, no traceback
+        print(f"torchbridge serve: {e}", file=sys.stderr)
+        return 2
     engine = LLMEngine(config)
     if args.warmup if args.warmup is not None else config.shape_buckets:
         n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
         logging.getLogger(__name__).info("warmed up %d shape buckets", n)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        print("torchbridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
-        return 2
     async_engine = AsyncEngine(engine)
     async_engine.start()
     app = create_app(async_engine, args.api_key, args.max_request_bytes, args.tool_call_parser,
                      args.enable_auto_tool_choice)
+    # uvicorn exits gracefully on SIGTERM, then raises the signal again, which would end the process before
+    # the engine (and its tensor-parallel workers) shut down: let it raise SystemExit instead.
+    signal.signal(signal.SIGTERM, _exit)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -162,6 +162,8 @@ class EngineConfig:
     # torch.compile(backend=<device>) graph, i.e. one XLA executable, instead of one per op.
     compile_model: bool | None = None
     served_model_name: str | None = None
+    # Ranks (processes, one per chip) the model is sharded over; rank 0 is this process (serve/workers.py).
+    tensor_parallel_size: int = 1
     seed: int = 0
     kv_events: bool = True
     model_config: ModelConfig = field(init=False)
@@ -190,6 +192,13 @@ class EngineConfig:
             self.compile_model = _is_bridge_device(self.device) and self.shape_buckets
         if self.compile_model and not self.shape_buckets:
             raise ValueError("compile_model needs shape_buckets: without them every step is a new shape to compile")
+        from torchbridge.serve.parallel import check_divisible
+
+        check_divisible(self.model_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from torchbridge.serve.workers import check_placement
+
+            check_placement(self.device, self.tensor_parallel_size)
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

@@ -382,7 +382,17 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.observe_finished(req)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to stop otherwise); no step after this."""
+        self.runner.shutdown()
+
     # ---- introspection -----------------------------------------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker exited), or None."""
+        workers = self.runner.workers
+        return None if workers is None else workers.error
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

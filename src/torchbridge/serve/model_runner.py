@@ -4,6 +4,12 @@ With shape buckets on, every tensor of a step is padded up to a bucket (tokens, 
 blocks, sampled rows; each a power of two), so a compiling backend sees a handful of shapes that
 `warmup()` can trace at start-up and none later. Padding tokens write their K/V into a scratch block
 and are never sampled, so padded and unpadded steps give the same logits.
+
+A step is first reduced to a `StepPlan` (plain data: per sequence its new tokens, positions and block
+table), then prepared into tensors. With tensor parallelism (`tensor_parallel_size` N > 1) this
+process is rank 0 of N: it sends each plan to the worker processes (serve/workers.py), and every rank
+prepares the same tensors from it and runs the same step on its shard of the model and of the KV cache;
+rank 0's logits are sampled.
 """
 
 from __future__ import annotations
@@ -23,8 +29,14 @@ from torchbridge.serve.attention import (
 )
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.models import load_model
+from torchbridge.serve.parallel import SINGLE, TPGroup
 from torchbridge.serve.scheduler import Batch
-from torchbridge.serve.sequence import Sequence
+
+
+def _rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank `rank` (torchrun's convention: <type>:<base index + rank>)."""
+    d = torch.device(device)
+    return "cpu" if d.type == "cpu" else f"{d.type}:{(d.index or 0) + rank}"
 
 
 def _bucket(n: int, smallest: int = 1) -> int:
@@ -32,6 +44,31 @@ def _bucket(n: int, smallest: int = 1) -> int:
     while b < n:
         b *= 2
     return b
+
+
+@dataclass
+class PlannedSeq:
+    """One scheduled sequence, as every rank needs it to build the step's tensors."""
+
+    seq_id: int
+    start: int  # tokens already in the KV cache (the first new token's position)
+    tokens: list[int]  # fed this step: a prefill chunk or the decode token, then any draft tokens
+    block_table: list[int]  # the blocks covering positions [0, start + len(tokens))
+    num_samples: int  # logits rows to sample: 0, or 1 + drafts
+
+
+StepPlan = list[PlannedSeq]
+
+
+def plan(batch: Batch, block_size: int) -> StepPlan:
+    out = []
+    for it in batch.items:
+        seq = it.seq
+        start = seq.num_computed_tokens
+        toks = seq.token_ids[start : start + it.num_tokens] + it.draft_tokens
+        blocks = seq.block_table[: -(-(start + len(toks)) // block_size)]
+        out.append(PlannedSeq(seq.seq_id, start, toks, blocks, 1 + len(it.draft_tokens) if it.samples else 0))
+    return out
 
 
 @dataclass
@@ -74,24 +111,36 @@ def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrap
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.workers = None
+        self.tp: TPGroup = SINGLE
+        if config.tensor_parallel_size > 1:
+            from torchbridge.serve import workers
+
+            if rank == 0:
+                port = workers.pick_port()
+                self.workers = workers.WorkerGroup(config, port)
+            assert port is not None
+            self.tp = workers.join_group(config, rank, port, self.workers)  # once all N ranks are connected
+        self.device = torch.device(config.device if rank == 0 else _rank_device(config.device, rank))
         self.dtype = config.torch_dtype
         mc = config.model_config
         self.block_size = config.block_size
         self.scratch_block = config.num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.model = load_model(config.model, mc, config.device, self.dtype, config.max_model_len + 1)
-        shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp)
+        shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
         self.workspace = (
-            DecodeWorkspace(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, config.max_num_seqs,
-                            config.num_blocks * config.block_size)
+            DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
+                            config.max_num_seqs, config.num_blocks * config.block_size)
             if config.decode_workspace else None
         )
         self._step = _compiled_step(self.device) if config.compile_model else _step
@@ -100,7 +149,7 @@ class ModelRunner:
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed: set[tuple[int, ...]] = set()
 
-    def prepare(self, batch: Batch, pad: bool | None = None) -> StepInput:
+    def prepare(self, step: StepPlan, pad: bool | None = None) -> StepInput:
         pad = self.config.shape_buckets if pad is None else pad
         bs = self.block_size
         ids: list[int] = []
@@ -110,12 +159,10 @@ class ModelRunner:
         rows: list[tuple[int, int]] = []
         # Per group (decodes, chunks): (first flat token, query length, context length, block table).
         groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
-        decodes: list[tuple[Sequence, int, int]] = []  # (seq, flat token, position) of one-token items
+        decodes: list[tuple[PlannedSeq, int, int]] = []  # (seq, flat token, position) of one-token items
         use_ws = self.workspace is not None and not pad
-        for it in batch.items:
-            seq = it.seq
-            start = seq.num_computed_tokens
-            toks = seq.token_ids[start : start + it.num_tokens] + it.draft_tokens
+        for seq in step:
+            start, toks = seq.start, seq.tokens
             first = len(ids)
             ids.extend(toks)
             p = range(start, start + len(toks))
@@ -125,13 +172,10 @@ class ModelRunner:
             if use_ws and len(toks) == 1:
                 decodes.append((seq, first, start))
             else:
-                groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table[: -(-ctx // bs)]))
-            if it.samples:
-                k = 1 + len(it.draft_tokens)
-                rows.append((len(sample), k))
-                sample.extend(range(first + len(toks) - k, first + len(toks)))
-            else:
-                rows.append((len(sample), 0))
+                groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table))
+            k = seq.num_samples
+            rows.append((len(sample), k))
+            sample.extend(range(first + len(toks) - k, first + len(toks)))
         num_real = len(ids)
         n, m = len(ids), len(sample)
         if pad:
@@ -195,7 +239,7 @@ class ModelRunner:
             out_cells=tensor(out_cells),  # type: ignore[operator]
         )
 
-    def _workspace_group(self, decodes: list[tuple[Sequence, int, int]], tensor: object) -> WorkspaceGroup | None:
+    def _workspace_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object) -> WorkspaceGroup | None:
         ws = self.workspace
         assert ws is not None
         if not decodes:
@@ -245,19 +289,39 @@ class ModelRunner:
         )
         return (input_ids.shape[0], sample_index.shape[0], *groups)
 
-    @torch.inference_mode()
     def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
-        inp = self.prepare(batch, pad)
+        step = plan(batch, self.block_size)
+        if self.workers is None:
+            logits, rows = self.execute(step, pad)
+            return logits.float().cpu(), rows
+        self.workers.send("execute", step, pad)
+        try:
+            logits, rows = self.execute(step, pad)
+        except Exception as e:  # no later step could pair up: the group stops, naming a dead worker if one is
+            raise self.workers.step_failed(e) from e
+        return logits.float().cpu(), rows
+
+    @torch.inference_mode()
+    def execute(self, step: StepPlan, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """This rank's part of one step: the logits of the rows to sample (on the device)."""
+        inp = self.prepare(step, pad)
         self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
         logits = self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
         num_real = sum(c for _, c in inp.rows)
-        return logits[:num_real].float().cpu(), inp.rows
+        return logits[:num_real], inp.rows
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); this runner cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     @torch.inference_mode()
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool = True) -> int:
         """Run every decode bucket (batch x blocks) and every single-sequence prefill bucket once, so
         that a compiling backend has traced them before the first request. Returns the shape count."""
+        if self.workers is not None:
+            self.workers.send("warmup", max_num_seqs, max_num_batched_tokens, False)
         bs = self.block_size
         batches = [_bucket(1) * 2**i for i in range(max(1, _bucket(max_num_seqs).bit_length()))]
         batches = [x for x in batches if x <= _bucket(max_num_seqs)]

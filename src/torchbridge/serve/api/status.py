@@ -15,7 +15,7 @@ def router(ctx: ApiContext) -> APIRouter:
     @r.get("/health")
     async def health() -> Response:
         if not ctx.engine.healthy:
-            return error_response(503, f"engine is not running: {ctx.engine.error}", "server_error")
+            return error_response(503, f"engine is not running: {ctx.engine.error or ctx.eng.failure}", "server_error")
         return Response(status_code=200)
 
     @r.get("/metrics")

@@ -25,6 +25,15 @@ from torch import nn
 
 from torchbridge.serve.attention import AttentionMetadata, paged_attention
 from torchbridge.serve.config import ModelConfig
+from torchbridge.serve.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    all_reduce,
+)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -112,15 +121,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(_Kernels, nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer = layer  # picks this layer's buffers in a decode workspace
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # With tensor parallelism a rank computes its share of the heads (and caches its K/V heads only).
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, cfg.attention_bias, tp)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.attention_bias, tp)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -172,11 +183,11 @@ class Attention(_Kernels, nn.Module):
 
 
 class MLP(_Kernels, nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, reduce)
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
@@ -204,13 +215,16 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k routed experts; softmax over all experts first, then (optionally) renormalise the top k."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.gate = Router(cfg)
+        # Every rank routes alike (the router is replicated) and holds a slice of every expert; the
+        # experts' partial sums are added locally and reduced once per layer.
         self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, reduce=False) for _ in range(cfg.num_experts)
         )
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
@@ -224,14 +238,14 @@ class SparseMoE(nn.Module):
             token, slot = torch.where(experts == e)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
-        return out
+        return all_reduce(out, self.tp)
 
 
 class DecoderLayer(_Kernels, nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, index)
-        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, index, tp)
+        self.mlp = SparseMoE(cfg, tp) if index in cfg.moe_layers else MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -254,19 +268,21 @@ class DecoderLayer(_Kernels, nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """`tp`: this rank's place in a tensor-parallel group; its modules hold this rank's shard (parallel.py)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         cos, sin = rope_tables(cfg, max_positions)
@@ -304,4 +320,4 @@ class LlamaForCausalLM(nn.Module):
                 del layer.mlp.gate_proj, layer.mlp.up_proj
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head.logits(hidden)

@@ -1,4 +1,7 @@
-"""Loading a Hugging Face checkpoint directory (config.json + *.safetensors) into our modules."""
+"""Loading a Hugging Face checkpoint directory (config.json + *.safetensors) into our modules.
+
+With tensor parallelism each rank reads the whole checkpoint and keeps its shard of every split
+weight: the block its module's `tp_dim` names (serve/parallel.py); other weights are replicated."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from safetensors import safe_open
 
 from torchbridge.serve.config import ModelConfig
 from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
+from torchbridge.serve.parallel import SINGLE, TPGroup, shard
 
 # Some checkpoints store a layer's experts fused as 3-D tensors; split them into per-expert weights.
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -26,11 +30,12 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int
+    model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
+    tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     params = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(model_dir):
@@ -51,6 +56,13 @@ def load_model(
     missing = [n for n in params if n not in state and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    for name, tensor in state.items():
+        dim = getattr(model.get_submodule(name.rpartition(".")[0]), "tp_dim", None)
+        if dim is not None and dim < tensor.dim():  # a row-parallel linear's bias (if any) stays whole
+            state[name] = tensor = shard(tensor, dim, tp)
+        if tensor.shape != params[name].shape:
+            raise ValueError(f"checkpoint {model_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(params[name].shape)}")
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
