@@ -317,7 +317,7 @@ class _DLRMArm:
             loss.backward()
             self.step()
             self.losses.append(loss.detach())
-        float(loss)
+        float(loss.detach())
         return time.perf_counter() - t
 
 

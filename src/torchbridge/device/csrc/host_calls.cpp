@@ -123,39 +123,56 @@ struct AdamCoef {
   double decay, l2, w1, beta2, w2, step_size, bc2_sqrt, eps;
 };
 
-#pragma GCC push_options
-// vector square roots need errno off; the loop is bandwidth-bound only once it is vectorised
-#pragma GCC optimize("O3", "no-math-errno")
-template <typename T>
-inline void adam_body(const T* __restrict p, const T* __restrict g, const T* __restrict m, const T* __restrict v,
-                      T* __restrict po, T* __restrict mo, T* __restrict vo, int64_t lo, int64_t hi, const AdamCoef& c) {
-  const T decay = c.decay, l2 = c.l2, w1 = c.w1, b2 = c.beta2, w2 = c.w2, step = c.step_size, bc2 = c.bc2_sqrt,
-          eps = c.eps;
-  const bool low = c.w1 < 0.5;  // torch's lerp: the formula depends on which end the weight is nearer
-  for (int64_t i = lo; i < hi; ++i) {
-    const T gi = l2 != 0 ? g[i] + l2 * p[i] : g[i];
-    const T mi = low ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * (1 - w1);
-    const T vi = v[i] * b2 + w2 * gi * gi;
-    const T d = std::sqrt(vi) / bc2 + eps;
-    po[i] = p[i] * decay - step * (mi / d);
-    mo[i] = mi;
-    vo[i] = vi;
+// The loop, written once for float and double. No helper calls inside (a function compiled with
+// other options than its caller is not inlined, and a call stops vectorisation); the square root is
+// the builtin, which -fno-math-errno (native.py) lets the vectoriser turn into vsqrtps.
+#define TORCHBRIDGE_ADAM_LOOP(T, SQRT)                                                                       \
+  const T decay = c.decay, l2 = c.l2, w1 = c.w1, b2 = c.beta2, w2 = c.w2, step = c.step_size, bc2 = c.bc2_sqrt, \
+          eps = c.eps;                                                                                       \
+  if (l2 != 0) { /* Adam's L2 weight decay: g += l2 p (AdamW decays p itself through `decay`) */            \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = g[i] + l2 * p[i];                                                                         \
+      const T mi = low ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * (1 - w1);                              \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
+  } else if (low) { /* torch's lerp: the formula depends on which end the weight is nearer */               \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = g[i];                                                                                     \
+      const T mi = m[i] + w1 * (gi - m[i]);                                                                  \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
+  } else {                                                                                                   \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = g[i];                                                                                     \
+      const T mi = gi - (gi - m[i]) * (1 - w1);                                                              \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
   }
-}
 
 // one copy per instruction set, picked when the library loads
-__attribute__((target_clones("avx512f", "avx2", "default"))) void adam_f32(
-    const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo, int64_t lo,
-    int64_t hi, const AdamCoef& c) {
-  adam_body<float>(p, g, m, v, po, mo, vo, lo, hi, c);
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f32(
+    const float* __restrict p, const float* __restrict g, const float* __restrict m, const float* __restrict v,
+    float* __restrict po, float* __restrict mo, float* __restrict vo, int64_t lo, int64_t hi, const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  TORCHBRIDGE_ADAM_LOOP(float, __builtin_sqrtf)
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void adam_f64(
-    const double* p, const double* g, const double* m, const double* v, double* po, double* mo, double* vo,
-    int64_t lo, int64_t hi, const AdamCoef& c) {
-  adam_body<double>(p, g, m, v, po, mo, vo, lo, hi, c);
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f64(
+    const double* __restrict p, const double* __restrict g, const double* __restrict m, const double* __restrict v,
+    double* __restrict po, double* __restrict mo, double* __restrict vo, int64_t lo, int64_t hi, const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  TORCHBRIDGE_ADAM_LOOP(double, __builtin_sqrt)
 }
-#pragma GCC pop_options
+#undef TORCHBRIDGE_ADAM_LOOP
 
 ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::AnyBuffer v, ffi::AnyBuffer coef,
                      ffi::Result<ffi::AnyBuffer> po, ffi::Result<ffi::AnyBuffer> mo, ffi::Result<ffi::AnyBuffer> vo) {
