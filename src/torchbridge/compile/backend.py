@@ -755,8 +755,9 @@ def recompiles_expected() -> Iterator[None]:
         _recompiles_expected.reset(token)
 
 
-def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
-    """Same graph structure, new input shapes: that is a recompile; say which input changed.
+def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """Same graph structure, new input shapes: that is a recompile; say which input changed. Returns
+    the structure (what the graph calls, in order).
 
     Size symbols Dynamo passes as graph inputs (after its automatic dynamic shapes saw a size change)
     are left out of both, so the first and later compiles of one function compare alike."""
@@ -774,6 +775,7 @@ def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
         if not _recompiles_expected.get():
             log.warning("torchbridge.compile: recompiling for new input shapes (%s)", "; ".join(changed))
     _seen_graphs[structure] = shapes
+    return structure
 
 
 def _is_symbol(value: Any) -> bool:
@@ -838,15 +840,24 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     torchbridge.compile.pad_to_bucket). Nothing process-wide is changed: other backends keep Dynamo's
     automatic dynamic shapes (see _specialize).
     """
-    _log_recompile(gm, example_inputs)
-    symbolic = any(bounded.free_symbols(n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder"))
-    if symbolic:
+    # which inputs have symbolic sizes, with the graph's structure: the key of a decision to specialise
+    symbolic = tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+                     if bounded.free_symbols(n.meta.get("example_value")))
+    structure = (_log_recompile(gm, example_inputs), symbolic)
+    if symbolic and structure not in _specialised:
         try:
             return _aot(gm, example_inputs, bounded_sizes=True)
         except _Specialise as e:
             log.info("torchbridge.compile: one program per size (%s)", e)
-            _specialize(gm)
+            _specialised[structure] = str(e)
+    if symbolic:
+        _specialize(gm)
     return _aot(gm, example_inputs, bounded_sizes=False)
+
+
+# Graph structures found unable to run padded: their later sizes are specialised without tracing the
+# graph twice (the engine compiles one structure for each of its many shape buckets).
+_specialised: dict[Any, str] = {}
 
 
 def register(name: str) -> None:
