@@ -117,6 +117,30 @@ def test_variable_length_embedding_sum_and_its_gradient():
     assert compile_backend.metrics()["graphs_compiled"] - before == 4
 
 
+def test_outputs_of_a_changing_size_and_their_gradients():
+    """A compiled function returning a value of the changing size (a view of its true size into the
+    padded buffer) gives CPU's values, also through later eager ops and .cpu(), and its backward, fed a
+    gradient of that size, gives CPU's weight gradient."""
+    torch.manual_seed(0)
+    cpu = nn.Embedding(30, 3)
+    dev = copy.deepcopy(cpu).to(DEV)
+    f = torch.compile(lambda e, ids: torch.tanh(e(ids)) * 2, backend="tpu")
+    before = compile_backend.metrics()["graphs_compiled"]
+    for n in (5, 9, 6, 13, 7):
+        ids = torch.randint(0, 30, (n,))
+        ref, got = torch.tanh(cpu(ids)) * 2, f(dev, ids.to(DEV))
+        assert got.shape == (n, 3)
+        torch.testing.assert_close(got.detach().cpu(), ref.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close((got + 1).sum(0).detach().cpu(), (ref + 1).sum(0).detach(), atol=1e-5, rtol=1e-5)
+        w = torch.randn(n, 3)
+        (ref * w).sum().backward()
+        (got * w.to(DEV)).sum().backward()
+        torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=1e-5, rtol=1e-5)
+        cpu.weight.grad = None
+        dev.weight.grad = None
+    assert compile_backend.metrics()["graphs_compiled"] - before == 4  # static pair for n=5, one bounded pair
+
+
 def test_an_op_that_cannot_run_padded_compiles_one_program_per_size():
     """sort over a changing size would put the padding among the values: that graph is specialised
     (one static program per size, Dynamo guarding each size) and stays exact."""

@@ -67,6 +67,15 @@ def flat_value(t: torch.Tensor) -> jax.Array:
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a device tensor (contiguous, same shape and dtype)."""
+    _, buf, jdt, spec, count = _parts(t)
+    if STATE.platform == "cpu" and buf.dtype == jdt and jdt != np.bool_:
+        # JAX's CPU buffers are host memory: gather the view with numpy, no program per view shape
+        # (a compiled graph's output of a changing size is a view into a padded buffer, compile/bounded.py)
+        flat = np.asarray(buf)
+        item = flat.dtype.itemsize
+        view = np.lib.stride_tricks.as_strided(flat[spec.offset:], shape=spec.shape,
+                                               strides=tuple(s * item for s in spec.strides))
+        return dtypes.numpy_to_host(np.ascontiguousarray(view), t.dtype).reshape(t.shape)
     return dtypes.numpy_to_host(np.asarray(value(t)), t.dtype).reshape(t.shape)
 
 
