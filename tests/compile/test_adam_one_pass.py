@@ -34,8 +34,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 128))
 
 
-@pytest.mark.parametrize("variant", ["foreach", "fused"])
-def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("variant,make", [
+    ("foreach", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
+    ("fused", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
+    # Adam's L2 decay (g + wd p, a graph value the one-pass call reads) and maximize (-g)
+    ("foreach", lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True, **kw)),
+], ids=["adamw-foreach", "adamw-fused", "adam-l2-maximize-foreach"])
+def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, make, monkeypatch: pytest.MonkeyPatch) -> None:
     if not host_calls.enabled():
         pytest.skip("the one-pass update is a custom call of JAX's CPU platform (host kernels on)")
     programs = []
@@ -50,8 +55,8 @@ def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, 
     torch.manual_seed(0)
     cpu = _model()
     dev = copy.deepcopy(cpu).to(DEV)
-    opt_cpu = torch.optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-2, weight_decay=0.1, **{variant: True})
+    opt_cpu = make(cpu.parameters(), foreach=False)
+    opt_dev = make(dev.parameters(), **{variant: True})
     # (torch.compile of a fused step runs _fused_adamw_ eagerly: torch.compiler.disable in torch.optim)
     step = torch.compile(opt_dev.step, backend="tpu") if variant == "foreach" else opt_dev.step
     for _ in range(4):
@@ -62,10 +67,15 @@ def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, 
         opt_dev.zero_grad()
         dev(x.to(DEV)).square().sum().backward()  # eager forward/backward: only the step is compiled
         step()
-    for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
-        torch.testing.assert_close(p_dev.detach().cpu(), p_ref.detach(), atol=1e-5, rtol=1e-4)
-        for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opt_dev.state[p_dev][k].cpu(), opt_cpu.state[p_ref][k], atol=1e-5, rtol=1e-4)
+        # every step from the same weights: the gradients' last-bit differences then move Adam's
+        # normalised update by ~1e-7, instead of compounding over the steps (maximize grows them)
+        for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
+            torch.testing.assert_close(p_dev.detach().cpu(), p_ref.detach(), atol=1e-5, rtol=1e-4)
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt_dev.state[p_dev][k].cpu(), opt_cpu.state[p_ref][k], atol=1e-5,
+                                           rtol=1e-4)
+            with torch.no_grad():
+                p_ref.copy_(p_dev.cpu())
     hlo = "\n".join(text for p in programs for text in p.program.hlo_texts()) if variant == "foreach" else \
         _fused_adamw_hlo([tuple(p.shape) for p in dev.parameters()])
     # one custom call per large parameter, writing its three arrays ...

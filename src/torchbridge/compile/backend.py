@@ -404,8 +404,9 @@ def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
 
     s = a.scalars
     p, g, m, v = (env[a.nodes[k]] for k in ("p", "g", "m", "v"))
-    return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=0.0, w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
-                                  step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"])
+    return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=s["l2"], w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
+                                  step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"],
+                                  gscale=s["gscale"])
 
 
 def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None) -> Any:

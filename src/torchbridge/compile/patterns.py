@@ -70,6 +70,7 @@ class AdamWrite:
         m' = lerp(m, g, w1)                  (_foreach_lerp, or its decomposition m + full_like(g - m, w1) * (g - m))
         v' = v * beta2 + w2 * g * g          (_foreach_mul, _foreach_addcmul)
         d  = sqrt(v') / bc2_sqrt + eps       (_foreach_sqrt, _foreach_div, _foreach_add)
+        (g = -g for maximize, then g + wd p for Adam's weight decay: _foreach_neg, _foreach_add)
         p' = p1 + value * m' / d             (_foreach_addcdiv, value = -lr / bc1), or, as the
              p1 + m' / (d / value)            capturable step Dynamo compiles writes it
 
@@ -80,7 +81,8 @@ class AdamWrite:
     exp_avg: int
     exp_avg_sq: int
     nodes: dict[str, Any]   # p, g, m, v: FX nodes (the inputs' values)
-    scalars: dict[str, Any]  # decay, w1, beta2, w2, eps: numbers; bc2_sqrt, step_value: (node or number, element)
+    scalars: dict[str, Any]  # decay, w1, beta2, w2, eps, l2, gscale: numbers; bc2_sqrt, step_value: (node or
+    #                          number, element)
 
 
 def _element(x: Any) -> tuple[Any, int] | None:
@@ -172,13 +174,20 @@ def find_adam_writes(placeholders: list[torch.fx.Node], written: dict[int, torch
             continue
         mulp = _of(p1, aten._foreach_mul.Scalar)
         p, decay = (mulp[0][0], mulp[1][1]) if mulp else (p1, 1.0)
+        l2, gscale = 0.0, 1.0
+        wd = _of(g, aten._foreach_add.List)  # Adam's L2 decay: g + wd p, read in the same pass
+        if wd and wd[0][1] is p and isinstance(wd[1][2] if len(wd[1]) > 2 else 1, (int, float)):
+            g, l2 = wd[0][0], _value(wd[1], 2, 1)
+        neg = _of(g, aten._foreach_neg.default)  # maximize
+        if neg:
+            g, gscale = neg[0][0], -1.0
         v = mulv[0][0]
         slots = (index.get(p), index.get(m), index.get(v))
         if k != slots[0] or None in slots or written.get(slots[1]) is not m1 or written.get(slots[2]) is not v2:
             continue
         scalars = {"decay": decay, "w1": w1, "beta2": mulv[1][1], "w2": _value(addcmul[1], 3, 1),
-                   "eps": eps_add[1][1], "bc2_sqrt": bc2, "step_value": step_value}
-        if not all(isinstance(scalars[s], (int, float)) for s in ("decay", "w1", "beta2", "w2", "eps")):
+                   "eps": eps_add[1][1], "bc2_sqrt": bc2, "step_value": step_value, "l2": l2, "gscale": gscale}
+        if not all(isinstance(scalars[s], (int, float)) for s in ("decay", "w1", "beta2", "w2", "eps", "l2")):
             continue
         out.append(AdamWrite(k, slots[1], slots[2], {"p": p, "g": g, "m": m, "v": v}, scalars))
     return out

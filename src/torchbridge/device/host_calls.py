@@ -212,10 +212,11 @@ def attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
 
 
 def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: float, beta2: float, w2: float,
-                step_size: Any, bc2_sqrt: Any, eps: float) -> tuple[Any, Any, Any]:
+                step_size: Any, bc2_sqrt: Any, eps: float, gscale: float = 1.0) -> tuple[Any, Any, Any]:
     """One Adam/AdamW step of one parameter: (p', m', v') with torch's foreach AdamW's operations,
     m' = lerp(m, g, w1), v' = beta2 v + w2 g g, p' = decay p - step_size m' / (sqrt(v') / bc2_sqrt + eps),
-    after g += l2 p (Adam's weight decay; AdamW's is `decay` = 1 - lr wd). (w1 = 1 - beta1, w2 = 1 - beta2.)
+    after g = gscale g + l2 p (maximize's -1; Adam's weight decay, where AdamW's is `decay` = 1 - lr wd).
+    (w1 = 1 - beta1, w2 = 1 - beta2.)
 
     On the CPU platform a large parameter's step is one custom call reading p, g, m, v once and
     writing the three results once: XLA:CPU, which has no multi-output loop fusion, would run each
@@ -224,10 +225,12 @@ def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: floa
     if (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
             and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays)):
         coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in (decay, l2, w1, beta2, w2, step_size,
-                                                                            bc2_sqrt, eps)])
+                                                                            bc2_sqrt, eps, gscale)])
         outs = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _ in range(3))
         return tuple(jax.ffi.ffi_call(_ADAM, outs)(p, g, m, v, coef))
     dt = p.dtype
+    if gscale != 1:
+        g = g * gscale
     if not (isinstance(l2, (int, float)) and l2 == 0):
         g = g + jnp.asarray(l2, dt) * p
     m = m + w1 * (g - m) if w1 < 0.5 else g - (g - m) * (1 - w1)

@@ -118,9 +118,9 @@ ffi::Error attention_backward(ffi::AnyBuffer grad_out, ffi::AnyBuffer q, ffi::An
 // and writing 3 per element; this loop reads p, g, m, v once and writes p', m', v' once (what
 // inductor's and PyTorch's fused kernels do). The operations are torch's foreach AdamW's, in its
 // order: m' = lerp(m, g, 1 - beta1), v' = beta2 v + (1 - beta2) g g, d = sqrt(v') / sqrt(bc2) + eps,
-// p' = decay p - step_size m' / d (Adam's L2 term, g += wd p, first when l2 != 0).
+// p' = decay p - step_size m' / d (first g = gscale g + l2 p: maximize's sign, Adam's L2 weight decay).
 struct AdamCoef {
-  double decay, l2, w1, beta2, w2, step_size, bc2_sqrt, eps;
+  double decay, l2, w1, beta2, w2, step_size, bc2_sqrt, eps, gscale;  // gscale: -1 for maximize
 };
 
 // The loop, written once for float and double. No helper calls inside (a function compiled with
@@ -128,10 +128,10 @@ struct AdamCoef {
 // the builtin, which -fno-math-errno (native.py) lets the vectoriser turn into vsqrtps.
 #define TORCHBRIDGE_ADAM_LOOP(T, SQRT)                                                                       \
   const T decay = c.decay, l2 = c.l2, w1 = c.w1, b2 = c.beta2, w2 = c.w2, step = c.step_size, bc2 = c.bc2_sqrt, \
-          eps = c.eps;                                                                                       \
+          eps = c.eps, gs = c.gscale;                                                                        \
   if (l2 != 0) { /* Adam's L2 weight decay: g += l2 p (AdamW decays p itself through `decay`) */            \
     for (int64_t i = lo; i < hi; ++i) {                                                                      \
-      const T gi = g[i] + l2 * p[i];                                                                         \
+      const T gi = gs * g[i] + l2 * p[i];                                                                    \
       const T mi = low ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * (1 - w1);                              \
       const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
       po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
@@ -140,7 +140,7 @@ struct AdamCoef {
     }                                                                                                        \
   } else if (low) { /* torch's lerp: the formula depends on which end the weight is nearer */               \
     for (int64_t i = lo; i < hi; ++i) {                                                                      \
-      const T gi = g[i];                                                                                     \
+      const T gi = gs * g[i];                                                                                \
       const T mi = m[i] + w1 * (gi - m[i]);                                                                  \
       const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
       po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
@@ -149,7 +149,7 @@ struct AdamCoef {
     }                                                                                                        \
   } else {                                                                                                   \
     for (int64_t i = lo; i < hi; ++i) {                                                                      \
-      const T gi = g[i];                                                                                     \
+      const T gi = gs * g[i];                                                                                \
       const T mi = gi - (gi - m[i]) * (1 - w1);                                                              \
       const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
       po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
@@ -178,8 +178,8 @@ ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::
                      ffi::Result<ffi::AnyBuffer> po, ffi::Result<ffi::AnyBuffer> mo, ffi::Result<ffi::AnyBuffer> vo) {
   const auto t = p.element_type();
   if (g.element_type() != t || m.element_type() != t || v.element_type() != t || coef.element_type() != ffi::DataType::F64 ||
-      coef.element_count() != 8 || (t != ffi::DataType::F32 && t != ffi::DataType::F64)) {
-    return ffi::Error::InvalidArgument("torchbridge adam step: float32/float64 arrays and 8 float64 coefficients");
+      coef.element_count() != 9 || (t != ffi::DataType::F32 && t != ffi::DataType::F64)) {
+    return ffi::Error::InvalidArgument("torchbridge adam step: float32/float64 arrays and 9 float64 coefficients");
   }
   const int64_t n = static_cast<int64_t>(p.element_count());
   if (g.element_count() != static_cast<size_t>(n) || m.element_count() != static_cast<size_t>(n) ||
