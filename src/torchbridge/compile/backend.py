@@ -168,13 +168,13 @@ class GraphProgram:
             bufs = [glob(b) for b in bufs]
             hosts, consts = [glob(h) for h in hosts], [glob(c) for c in consts]
             rng = None if rng is None else glob(np.array(rng, dtype=np.uint64))
-        if self.writes:
+        if self.writes:  # (it records what synchronize() waits on: the written buffers too)
             flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
             flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
-        if plan is not None:
-            flat_out = jax.tree.map(spmd.local, flat_out)
-        STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
+            if plan is not None:
+                flat_out = jax.tree.map(spmd.local, flat_out)
+            STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
         results: list[Any] = [None] * len(out_meta)
         it = iter(flat_out)
         for i, m in enumerate(out_meta):
@@ -230,6 +230,9 @@ class GraphProgram:
             new_dev, outs, new_host = jax.tree.map(spmd.local, (new_dev, outs, new_host))
             new_host = tuple(h.reshape(np.shape(args[i])) for i, h in zip((i for i in self.writes if i not in slot),
                                                                             new_host, strict=True))
+        # what torch.tpu.synchronize() waits on: the outputs and the written buffers (an optimizer step
+        # returns nothing else: waiting on its outputs alone did not wait for the step)
+        STATE.last_results[dev] = (new_dev, outs)
         for i, new in zip((i for i in self.writes if i in slot), new_dev, strict=True):
             STATE.table.set(args[i].untyped_storage().data_ptr(), new)
         for i, new in zip((i for i in self.writes if i not in slot), new_host, strict=True):

@@ -87,6 +87,25 @@ def from_array(arr: jax.Array, dtype: torch.dtype, device: torch.device) -> torc
     return out
 
 
+def write_from_host(t: torch.Tensor, host: torch.Tensor) -> bool:
+    """`t.copy_(host)` as one transfer when `t` covers its whole storage contiguously and `host` is a
+    CPU tensor of its shape and dtype (what `.to(device)` does): the storage gets the host values as
+    its buffer, with no program, so a new shape (a jagged batch's index list) compiles nothing.
+    False (nothing done) otherwise, or while fused eager mode has recorded work (ordering)."""
+    from torchbridge.device import fused
+
+    if (host.device.type != "cpu" or host.dtype != t.dtype or tuple(host.shape) != tuple(t.shape)
+            or host.is_conj() or host.is_neg() or t.is_conj() or t.is_neg() or fused.RECORDER.records):
+        return False
+    STATE.table.drain()
+    storage = t.untyped_storage()
+    if t.storage_offset() != 0 or not t.is_contiguous() or storage.nbytes() != t.numel() * t.element_size():
+        return False
+    arr = dtypes.host_to_numpy(host).reshape(-1)
+    STATE.table.set(storage.data_ptr(), jax.device_put(arr, jax_device(t)))
+    return True
+
+
 def write_flat(t: torch.Tensor, values: jax.Array) -> None:
     """Write `values` (1-d, t's numel and dtype, on t's device) into `t`, visible through every view."""
     key, buf, jdt, spec, count = _parts(t)
