@@ -168,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dlrm", action="store_true", help="jagged DLRM training, steps/s vs Inductor, instead")
     ap.add_argument("--steps", type=int, default=200, help="--dlrm: timed steps")
     ap.add_argument("--neighbour", action="store_true", help="--sweep/--dlrm: a busy-loop process on one core")
+    for axis in ("batch", "seq", "hidden"):
+        ap.add_argument(f"--sweep-{axis}", default=None, help=f"--sweep: only these {axis} values (comma-separated)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.sweep:
+        only = {axis: tuple(int(v) for v in getattr(args, f"sweep_{axis}").split(","))
+                for axis in ("batch", "seq", "hidden") if getattr(args, f"sweep_{axis}")}
         compile_workloads.run_sweep(args.quick, args.warmup if "--warmup" in argv else 1,
                                     args.iters if "--iters" in argv else (2 if args.quick else 5), args.neighbour,
-                                    args.write, argv)
+                                    args.write, argv, only)
         return 0
     if args.dlrm:
         compile_workloads.run_dlrm(args.quick, args.steps, args.neighbour, args.write, argv)

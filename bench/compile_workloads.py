@@ -149,8 +149,9 @@ QUICK_SWEEP = {"batch": (1, 2), "seq": (64,), "hidden": (256,)}
 TOLERANCE = 1e-3  # relative (to the largest reference value) difference allowed between the arms
 
 
-def run_sweep(quick: bool, warmup: int, iters: int, busy: bool, write: str | None, argv: list[str]) -> list[Cell]:
-    grid = QUICK_SWEEP if quick else SWEEP
+def run_sweep(quick: bool, warmup: int, iters: int, busy: bool, write: str | None, argv: list[str],
+              only: dict[str, tuple[int, ...]] | None = None) -> list[Cell]:
+    grid = {**(QUICK_SWEEP if quick else SWEEP), **(only or {})}
     load_before = loadavg()
     print(f"sweep: batch {grid['batch']} x sequence {grid['seq']} x hidden {grid['hidden']}; "
           f"neighbour {'on' if busy else 'off'}; load average {load_before}", flush=True)
