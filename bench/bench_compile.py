@@ -29,6 +29,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -228,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         if cold:
             text += (f"\nCold start (time to the first compiled forward in a fresh process, persistent XLA cache):"
                      f" first process {cold[0]:.1f} s, second process {cold[1]:.1f} s ({cold[0] / cold[1]:.1f}x).\n")
-        Path(args.write).write_text(text)
+        old = Path(args.write).read_text() if Path(args.write).exists() else ""
+        # the sweep's and the DLRM run's sections (written by --sweep / --dlrm) stay
+        blocks = [m.group(0) for m in re.finditer(r"<!-- ([\w-]+) -->\n.*?<!-- /\1 -->\n", old, flags=re.S)]
+        Path(args.write).write_text(text + "".join("\n" + b for b in blocks))
         Path(args.write).with_suffix(".json").write_text(json.dumps({"results": results, "cold_start": cold}, indent=1))
     return 0
 
