@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_layering import SRC, imports
+from test_import_contract import SRC, imports
 
 PACKAGE = "torchbridge.device"
 
