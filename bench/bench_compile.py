@@ -1,6 +1,8 @@
 """A ~20M-parameter Llama on this CPU: torch eager, inductor, bridge eager, bridge fused eager, bridge compiled.
 
     python bench/bench_compile.py [--quick] [--write docs/benchmarks/compile.md]
+    python bench/bench_compile.py --sweep [--quick] [--neighbour] [--write docs/benchmarks/compile.md]
+    python bench/bench_compile.py --dlrm [--quick] [--neighbour] [--steps 200] [--write docs/benchmarks/compile.md]
 
 Measures forward latency at batch 1 and 8 (sequence 128) and one training step (forward, backward,
 AdamW) for each arm, in one run, the arms taking turns within each iteration, and reports ratios.
@@ -10,6 +12,15 @@ itself uses PyTorch's GEMM only where it measured faster on this machine (host_c
 `compiled-host-gemm` forces it (TORCHBRIDGE_HOST_GEMM=1). A second part measures cold start: the time to
 the first compiled forward in a fresh process, twice, with the persistent XLA cache (the second
 process finds the first one's executables on disk).
+
+`--sweep` runs the shape sweep instead: batch {1, 2, 4, 8, 16} x sequence {64, 128, 256, 512} x hidden
+{256, 512, 768, 1024} (Llamas with grouped-query attention, bench/compile_workloads.py), forward and
+training step, bridge compiled vs Inductor, arms alternated, logits and gradients compared per cell;
+a table and a heat map (PNG) go into a section of --write's file, the geometric means and worst
+cells are printed last (`--quick`: two small cells, a sanity run). `--dlrm` measures jagged DLRM
+training (index lists of a new length every step) in steps/s against Inductor with default
+settings, and how many programs each compiled. `--neighbour` runs either with a busy-loop process
+pinned to one core during both arms. Both record the load average.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 
+import compile_workloads  # bench/ is the script's directory, so on sys.path
 import torchbridge
 from torchbridge.device import eager_mode, host_calls
 
@@ -152,7 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="cpu,inductor,eager,fused,compiled,compiled-xla-only,compiled-host-gemm")
     ap.add_argument("--write", default=None)
     ap.add_argument("--torch-device", default="cpu", help="where the torch eager/inductor arms run (cpu, cuda)")
+    ap.add_argument("--sweep", action="store_true", help="the shape sweep (batch x sequence x hidden) instead")
+    ap.add_argument("--dlrm", action="store_true", help="jagged DLRM training, steps/s vs Inductor, instead")
+    ap.add_argument("--steps", type=int, default=200, help="--dlrm: timed steps")
+    ap.add_argument("--neighbour", action="store_true", help="--sweep/--dlrm: a busy-loop process on one core")
+    for axis in ("batch", "seq", "hidden"):
+        ap.add_argument(f"--sweep-{axis}", default=None, help=f"--sweep: only these {axis} values (comma-separated)")
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.sweep:
+        only = {axis: tuple(int(v) for v in getattr(args, f"sweep_{axis}").split(","))
+                for axis in ("batch", "seq", "hidden") if getattr(args, f"sweep_{axis}")}
+        compile_workloads.run_sweep(args.quick, args.warmup if "--warmup" in argv else 1,
+                                    args.iters if "--iters" in argv else (2 if args.quick else 5), args.neighbour,
+                                    args.write, argv, only)
+        return 0
+    if args.dlrm:
+        compile_workloads.run_dlrm(args.quick, args.steps, args.neighbour, args.write, argv)
+        return 0
     model = make_model(args.quick)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Llama with {n_params / 1e6:.1f}M parameters, sequence {args.seq}", flush=True)
@@ -199,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         if cold:
             text += (f"\nCold start (time to the first compiled forward in a fresh process, persistent XLA cache):"
                      f" first process {cold[0]:.1f} s, second process {cold[1]:.1f} s ({cold[0] / cold[1]:.1f}x).\n")
-        Path(args.write).write_text(text)
+        old = Path(args.write).read_text() if Path(args.write).exists() else ""
+        # the sweep's and the DLRM run's sections (written by --sweep / --dlrm) stay
+        blocks = [m.group(0) for m in re.finditer(r"<!-- ([\w-]+) -->\n.*?<!-- /\1 -->\n", old, flags=re.S)]
+        Path(args.write).write_text(text + "".join("\n" + b for b in blocks))
         Path(args.write).with_suffix(".json").write_text(json.dumps({"results": results, "cold_start": cold}, indent=1))
     return 0
 

@@ -26,13 +26,20 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
-from torchbridge.compile import functionalized, patterns, spmd
+from torchbridge.compile import bounded, functionalized, patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
 
 log = logging.getLogger(__name__)
 compile_counter: Counter[str] = Counter()
+# The values of the graph's size symbols while one of its programs is traced (bounded graphs: the
+# padded sizes; None: the sizes Dynamo traced with). Read by _shape.
+_BINDINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bindings", default=None)
+
+
+def _shape(val: torch.Tensor) -> tuple[int, ...]:
+    return bounded.ints(val.shape, _BINDINGS.get())
 
 
 class GraphProgram:
@@ -47,13 +54,19 @@ class GraphProgram:
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in self.nodes if n.op == "output")
+        # symbolic sizes (Dynamo saw an input's size change): bounded programs or specialised by guards
+        self.dims = bounded.Dims.of(self.placeholders, True)
+        if self.dims is not None and bounded.unsupported(gm.graph) is not None:
+            self.dims.bounded = False  # (tpu_backend specialised it: Dynamo guards each size)
+        self.bounded = self.dims is not None and self.dims.bounded
         # random nodes draw at consecutive offsets of the graph's one (seed, offset), as they would eagerly
         self._rng_offsets: dict[torch.fx.Node, int] = {}
         drawn = 0
         for n in self.nodes:
             if _is_random(n):
                 self._rng_offsets[n] = drawn
-                drawn += (max([1] + [t.numel() for t in _tensor_leaves(n.meta.get("val"))]) + 3) // 4 * 4
+                drawn += (max([1] + [bounded.concrete(t.numel(), None) for t in _tensor_leaves(n.meta.get("val"))])
+                          + 3) // 4 * 4
         self.random = drawn
         self.fenced = _broadcast_transcendentals(self.nodes)
         self.patterns = patterns.find(self.nodes)
@@ -69,6 +82,9 @@ class GraphProgram:
                     raise NotImplementedError(f"torchbridge.compile: {name} copies into a non-input ({dst})")
                 self._written[index[dst]] = src
         self.writes = sorted(self._written)
+        # Adam/AdamW parameter updates among the writes: each computed in one pass (patterns.AdamWrite)
+        self.adam = patterns.find_adam_writes(self.placeholders, self._written)
+        compile_counter["patterns"] += len(self.adam)
         # writes that scatter a few rows into the input itself (a KV cache's index_copy_): donating the
         # old buffer lets XLA update it in place instead of copying the whole pool every call
         self.scatter_writes = frozenset(i for i, src in self._written.items()
@@ -93,21 +109,42 @@ class GraphProgram:
 
         STATE.table.drain()
         descs, bufs, hosts, device = [], [], [], None
+        true = padded = None
+        if self.dims is not None:
+            true, padded = self.dims.bind(args)
         buf = None
-        for a in args:
+        for i, a in enumerate(args):
+            pad = self._padded_spec(i, padded) if self.bounded and i in self.dims.symbolic_inputs else None
             if isinstance(a, torch.Tensor) and a.device.type == STATE.name:
                 device = device or a.device
                 storage = a.untyped_storage()
                 jdt = dtypes.to_jax(a.dtype)
                 buf = STATE.table.get_or_zeros(storage.data_ptr(), storage.nbytes(), jdt, STATE.jax_device(a.device.index or 0))
                 spec = views.ViewSpec(tuple(a.shape), tuple(a.stride()), a.storage_offset())
+                if pad is not None:
+                    # one buffer just holding the padded view, whoever made the tensor: a storage that
+                    # already is one (a bounded program's output) is read in place, others are padded on
+                    # the host (numpy: no program per size); both give the program the same input
+                    count = pad.offset + views.storage_numel(pad.shape, pad.strides)
+                    if not (_holds(pad, spec, storage.nbytes() // a.element_size()) and buf.dtype == jdt
+                            and buf.shape[0] == count):
+                        buf = jax.device_put(_padded_buffer(_device_numpy(buf, jdt, spec), pad, count),
+                                             STATE.jax_device(a.device.index or 0))
+                    descs.append(("d", pad, jdt, buf.dtype, count, count * a.element_size()))
+                    bufs.append(buf)
+                    continue
                 descs.append(("d", spec, jdt, buf.dtype, buf.shape[0], storage.nbytes()))
                 bufs.append(buf)
             elif isinstance(a, torch.Tensor):
-                descs.append(("h", tuple(a.shape), a.dtype))
-                hosts.append(dtypes.host_to_numpy(a))  # jit moves numpy arguments in one batch
+                shape = pad.shape if pad is not None else tuple(a.shape)
+                descs.append(("h", shape, a.dtype))
+                hosts.append(bounded.pad_host(dtypes.host_to_numpy(a), shape))  # jit moves numpy arguments in one batch
+            elif self.bounded and isinstance(self.placeholders[i].meta.get("val"), torch.SymInt):
+                descs.append(("c", bounded.concrete(self.placeholders[i].meta["val"], padded)))  # a size: padded
             else:
                 descs.append(("c", a))
+        if self.bounded:
+            hosts.append(self.dims.lengths(true))  # the true sizes, for the ops that mask the padding
         buf = None  # a live local would count as a holder of the last buffer (donation checks refcounts)
         consts = []
         for t in self._constants.values():
@@ -120,7 +157,7 @@ class GraphProgram:
         if entry is None:
             if self._programs:
                 log.warning("torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
-            entry = self._build(descs, [c.shape for c in consts], plan)
+            entry = self._build(descs, [c.shape for c in consts], plan, padded if self.bounded else None)
             self._programs[key] = entry
             compile_counter[self.name] += 1
         self._last_key = key
@@ -131,13 +168,13 @@ class GraphProgram:
             bufs = [glob(b) for b in bufs]
             hosts, consts = [glob(h) for h in hosts], [glob(c) for c in consts]
             rng = None if rng is None else glob(np.array(rng, dtype=np.uint64))
-        if self.writes:
+        if self.writes:  # (it records what synchronize() waits on: the written buffers too)
             flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
             flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
-        if plan is not None:
-            flat_out = jax.tree.map(spmd.local, flat_out)
-        STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
+            if plan is not None:
+                flat_out = jax.tree.map(spmd.local, flat_out)
+            STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
         results: list[Any] = [None] * len(out_meta)
         it = iter(flat_out)
         for i, m in enumerate(out_meta):
@@ -145,11 +182,14 @@ class GraphProgram:
                 continue
             if m[0] == "const":
                 results[i] = m[1]
+            elif m[0] == "sym":  # a size the backward needs: its true value in this call
+                results[i] = bounded.concrete(m[1], true if self.bounded else None)
             elif m[0] == "t":
-                _, shape, stride, dt = m
+                _, shape, stride, dt, sym = m
                 t = torch.empty_strided(shape, stride, dtype=dt, device=device)
                 STATE.table.set(t.untyped_storage().data_ptr(), next(it))
-                results[i] = t
+                # a padded output: its true size, a view into the padded buffer
+                results[i] = t if sym is None else _reinterpret(t, bounded.ints(sym, true), stride, 0)
         for i, m in enumerate(out_meta):  # outputs that alias an input or another output: views, no data
             if m is not None and m[0] in ("arg", "alias"):
                 kind, j, shape, stride, rel = m
@@ -190,6 +230,9 @@ class GraphProgram:
             new_dev, outs, new_host = jax.tree.map(spmd.local, (new_dev, outs, new_host))
             new_host = tuple(h.reshape(np.shape(args[i])) for i, h in zip((i for i in self.writes if i not in slot),
                                                                             new_host, strict=True))
+        # what torch.tpu.synchronize() waits on: the outputs and the written buffers (an optimizer step
+        # returns nothing else: waiting on its outputs alone did not wait for the step)
+        STATE.last_results[dev] = (new_dev, outs)
         for i, new in zip((i for i in self.writes if i in slot), new_dev, strict=True):
             STATE.table.set(args[i].untyped_storage().data_ptr(), new)
         for i, new in zip((i for i in self.writes if i not in slot), new_host, strict=True):
@@ -198,13 +241,18 @@ class GraphProgram:
         return outs
 
     # -- trace -----------------------------------------------------------------------------------
-    def _build(self, descs: list, const_shapes: list, plan: spmd.Plan | None = None) -> tuple[Any, list]:
+    def _build(self, descs: list, const_shapes: list, plan: spmd.Plan | None = None,
+               bindings: dict | None = None) -> tuple[Any, list]:
         out_vals = self.output_node.args[0]
         out_meta: list[Any] = []
         for v in out_vals:
             if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor):
                 val = v.meta["val"]
-                out_meta.append(("t", tuple(val.shape), tuple(val.stride()), val.dtype))
+                sym = tuple(val.shape) if self.bounded and bounded.free_symbols(val) else None
+                out_meta.append(("t", bounded.ints(val.shape, bindings), bounded.ints(val.stride(), bindings),
+                                 val.dtype, sym))
+            elif isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
+                out_meta.append(("sym", v.meta["val"]))
             elif isinstance(v, torch.fx.Node):
                 out_meta.append(None if v.meta.get("val") is None else ("const", v.meta.get("val")))
             else:
@@ -216,6 +264,15 @@ class GraphProgram:
                 raise NotImplementedError(f"torchbridge.compile: {self.name} writes a non-tensor input")
 
         def program(bufs, hosts, consts, rng):
+            token = _BINDINGS.set(bindings)
+            try:
+                return traced(bufs, hosts, consts, rng)
+            finally:
+                _BINDINGS.reset(token)
+
+        def traced(bufs, hosts, consts, rng):
+            # the true sizes of the symbols (bounded graphs): the last host input
+            lens = dict(zip(self.dims.symbols, hosts[-1], strict=True)) if self.bounded else None
             env: dict[torch.fx.Node, Any] = {}
             flats: dict[torch.fx.Node, Any] = {}  # the inputs' flat buffers, for writes into them
             # inputs that are transposed views (a saved t(weight)): their un-transposed reads, for the GEMM
@@ -247,22 +304,25 @@ class GraphProgram:
                 elif node.op == "call_function":
                     at = self._rng_offsets.get(node)
                     node_rng = None if at is None else (rng[0], jnp.asarray(rng[1], jnp.uint64) + jnp.uint64(at))
-                    env[node] = self._run_node(node, env, node_rng, untransposed)
+                    env[node] = self._run_node(node, env, node_rng, untransposed, lens)
                     if node in self.fenced:
                         env[node] = host_calls.fence(env[node])
             outs = []
             for v, m in zip(out_vals, out_meta, strict=True):
                 if m is None or m[0] != "t":
                     continue
-                _, shape, stride, dt = m
+                _, shape, stride, dt, _ = m
                 x = jnp.broadcast_to(views.cast(env[v], dtypes.to_jax(dt)), shape)
                 outs.append(views.layout(x, views.ViewSpec(shape, stride, 0), views.storage_numel(shape, stride)))
             if not self.writes:
                 return tuple(outs)
+            written = {i: env[self._written[i]] for i in self.writes}
+            for a in self.adam:
+                written[a.param], written[a.exp_avg], written[a.exp_avg_sq] = _adam_update(a, env)
             new_dev, new_host = [], []
             for i in self.writes:
                 node, d = self.placeholders[i], descs[i]
-                val = env[self._written[i]]
+                val = written[i]
                 if d[0] == "d":
                     _, spec, jdt, _, _, _ = d
                     new_dev.append(views.write(flats[node], spec, jnp.broadcast_to(views.cast(val, jdt), spec.shape)))
@@ -290,9 +350,29 @@ class GraphProgram:
 
         return _Executable(plan.wrap(spmd_program)), out_meta
 
-    def _run_node(self, node: torch.fx.Node, env: dict, key: Any, untransposed: dict) -> Any:
+    def hlo_texts(self) -> list[str]:
+        """The optimised HLO of each program this graph compiled (one per input layout)."""
+        return [fn.hlo_text() for fn, _ in self._programs.values()]
+
+    def _padded_spec(self, i: int, padded: dict) -> views.ViewSpec | None:
+        """Input `i`'s view with its symbolic sizes padded (None: not a tensor)."""
+        val = self.placeholders[i].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        return views.ViewSpec(bounded.ints(val.shape, padded), bounded.ints(val.stride(), padded),
+                              bounded.concrete(val.storage_offset(), padded))
+
+    def _run_node(self, node: torch.fx.Node, env: dict, key: Any, untransposed: dict, lens: dict | None = None) -> Any:
         target = node.target
         args = map_arg(node.args, lambda n: env[n])
+        if target in bounded.SIZE_ARITHMETIC:  # sizes: the padded ones in a bounded program
+            if target is torch.ops.aten.sym_size.int:
+                return args[0].shape[args[1]]
+            if target is torch.ops.aten.sym_stride.int:
+                return int(np.prod(args[0].shape[args[1] + 1:]))
+            if target is torch.ops.aten.sym_numel.default:
+                return int(np.prod(args[0].shape))
+            return target(*args)
         gemm = host_calls.GEMM_OPERANDS.get(target._schema.name) if isinstance(target, torch._ops.OpOverload) else None
         if gemm:  # a transposed operand goes to the GEMM as is, with a flag
             args = tuple(_gemm_operand(a, env, untransposed) if i in gemm else v
@@ -312,15 +392,31 @@ class GraphProgram:
                 f"torchbridge.compile: operator '{target}' has no lowering for the '{STATE.name}' device"
             )
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        if lens is not None and target in bounded.MASKED:  # an op that would read the padding
+            args, kwargs = bounded.MASKED[target][0](node, args, kwargs, lens)
         res = _traced(node, lowering.fn, args, kwargs, key, self._axes)
         return _cast_like(res[0] if lowering.mutates else res, node.meta.get("val"))
+
+
+def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
+    """(p', m', v') of one matched Adam/AdamW update, in one pass over the arrays."""
+    def scalar(pair: tuple) -> Any:
+        x, i = pair
+        x = env[x] if isinstance(x, torch.fx.Node) else x
+        return x if i is None else x[i]
+
+    s = a.scalars
+    p, g, m, v = (env[a.nodes[k]] for k in ("p", "g", "m", "v"))
+    return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=s["l2"], w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
+                                  step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"],
+                                  gscale=s["gscale"])
 
 
 def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None) -> Any:
     """fn(*args, **kwargs) traced with `node`'s output shapes and dtypes (what lowerings may ask)."""
     leaves = _tensor_leaves(node.meta.get("val"))
     ctx = registry.TraceContext(
-        out_shapes=[tuple(t.shape) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key,
+        out_shapes=[_shape(t) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key,
         axes=axes or {},
     )
     with registry.tracing(ctx):
@@ -366,7 +462,7 @@ def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: lis
     bases: dict[Any, tuple[str, int, torch.Tensor]] = {}
     for i, (node, d) in enumerate(zip(placeholders, descs, strict=True)):
         val = node.meta.get("val")
-        if mutated is None or i in mutated:
+        if mutated is None or i in mutated or bounded.free_symbols(val):
             continue
         if d[0] == "d" and isinstance(val, torch.Tensor) and _dense(val):
             key = _storage_key(val)
@@ -374,7 +470,7 @@ def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: lis
                 bases.setdefault(key, ("arg", i, val))
     # per storage, the widest dense materialised output becomes the base of the others
     for i, (v, m) in enumerate(zip(out_vals, out_meta, strict=True)):
-        if m is None or m[0] != "t" or not _dense(v.meta["val"]):
+        if m is None or m[0] != "t" or bounded.free_symbols(v.meta["val"]) or not _dense(v.meta["val"]):
             continue
         val = v.meta["val"]
         key = _storage_key(val)
@@ -384,7 +480,7 @@ def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: lis
         if cur is None or (cur[0] == "out" and val.numel() > cur[2].numel()):
             bases[key] = ("out", i, val)
     for i, (v, m) in enumerate(zip(out_vals, out_meta, strict=True)):
-        if m is None or m[0] != "t":
+        if m is None or m[0] != "t" or bounded.free_symbols(v.meta["val"]):
             continue
         val = v.meta["val"]
         base = bases.get(_storage_key(val))
@@ -394,6 +490,28 @@ def _alias_outputs(out_vals: Any, out_meta: list, placeholders: list, descs: lis
         if val.numel() and blo <= lo and hi <= bhi:
             kind = "arg" if base[0] == "arg" else "alias"
             out_meta[i] = (kind, base[1], tuple(val.shape), tuple(val.stride()), lo - blo)
+
+
+def _holds(pad: views.ViewSpec, spec: views.ViewSpec, numel: int) -> bool:
+    """A tensor's storage (`numel` elements) already holds its padded view `pad`: same strides and
+    offset, and room for the padded extent (an output of a bounded program, read back in place)."""
+    return (pad.strides == spec.strides and pad.offset == spec.offset
+            and pad.offset + views.storage_numel(pad.shape, pad.strides) <= numel)
+
+
+def _padded_buffer(values: np.ndarray, pad: views.ViewSpec, count: int) -> np.ndarray:
+    """A flat array of `count` elements holding `values`, zero-padded to pad.shape, at pad's positions."""
+    flat = np.zeros((count,), values.dtype)
+    bounded.strided_numpy(flat, pad.shape, pad.strides, pad.offset)[...] = bounded.pad_host(values, pad.shape)
+    return flat
+
+
+def _device_numpy(buf: jax.Array, jdt: Any, spec: views.ViewSpec) -> np.ndarray:
+    """A device tensor's values on the host, through numpy only (no program per size)."""
+    flat = np.asarray(buf)
+    if flat.dtype != np.dtype(jdt):
+        flat = flat.view(np.dtype(jdt))
+    return bounded.strided_numpy(flat, spec.shape, spec.strides, spec.offset)
 
 
 def _reinterpret(base: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
@@ -450,8 +568,11 @@ _ELEMENTWISE = _TRANSCENDENTAL | _BROADCAST_VIEWS | {
 
 
 def _numel(node: torch.fx.Node) -> int:
+    """Elements of a node's value; 0 when not a tensor or its size is symbolic (never guarded on)."""
     val = node.meta.get("val")
-    return val.numel() if isinstance(val, torch.Tensor) else 0
+    if not isinstance(val, torch.Tensor) or bounded.free_symbols(val):
+        return 0
+    return int(val.numel())
 
 
 def _broadcast_transcendentals(nodes: list) -> frozenset:
@@ -502,9 +623,17 @@ class _Executable:
         self.raw = raw
         self.jitted = jax.jit(raw, keep_unused=True)  # placed by its inputs' devices, used or not
         self._donating: dict[tuple[int, ...], Any] = {}
+        self._avals: Any = None  # the first call's argument shapes, for hlo_text
 
     def __call__(self, *args: Any) -> Any:
+        if self._avals is None:
+            self._avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
         return self.jitted(*args)
+
+    def hlo_text(self) -> str:
+        """The optimised HLO XLA compiled for this program (after its first call): which fusions and
+        custom calls it runs."""
+        return self.jitted.lower(*self._avals).compile().as_text()
 
     def donating(self, positions: tuple[int, ...]) -> Any:
         fn = self._donating.get(positions)
@@ -553,7 +682,8 @@ def _tensor_leaves(val: Any) -> list[torch.Tensor]:
 def _cast_like(res: Any, val: Any) -> Any:
     if isinstance(val, torch.Tensor):
         out = views.cast(res, dtypes.to_jax(val.dtype))
-        return jnp.broadcast_to(out, tuple(val.shape)) if out.shape != tuple(val.shape) else out
+        shape = _shape(val)
+        return jnp.broadcast_to(out, shape) if out.shape != shape else out
     if isinstance(val, (list, tuple)) and isinstance(res, (list, tuple)):
         return type(res)(_cast_like(r, v) for r, v in zip(res, val, strict=False))
     return res
@@ -591,7 +721,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, forward: bool 
         n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         if meta is not None and len(meta.input_info) == n_inputs:
             mutated = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
-    return make_boxed_func(GraphProgram(gm, f"graph{_graph_ids['graph']}", mutated))
+    program = GraphProgram(gm, f"graph{_graph_ids['graph']}", mutated)
+    boxed = make_boxed_func(program)
+    boxed.program = program  # for inspection (GraphProgram.hlo_texts)
+    return boxed
 
 
 def compile_forward(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
@@ -626,15 +759,19 @@ def recompiles_expected() -> Iterator[None]:
         _recompiles_expected.reset(token)
 
 
-def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
-    """Same graph structure, new input shapes: that is a recompile; say which input changed.
+def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """Same graph structure, new input shapes: that is a recompile; say which input changed. Returns
+    the structure (what the graph calls, in order).
 
     Size symbols Dynamo passes as graph inputs (after its automatic dynamic shapes saw a size change)
     are left out of both, so the first and later compiles of one function compare alike."""
     symbols = {i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if _is_symbol(n.meta.get("example_value"))}
     structure = tuple((n.op, str(n.target)) for n in gm.graph.nodes
                       if not (n.op == "placeholder" and _is_symbol(n.meta.get("example_value"))))
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for i, t in enumerate(example_inputs) if i not in symbols]
+    # (a symbolic size as the value it has in this call: comparing the SymInt itself with an int would
+    # add a guard to Dynamo's graph)
+    shapes = [bounded.ints(t.shape, None) if isinstance(t, torch.Tensor) else t
+              for i, t in enumerate(example_inputs) if i not in symbols]
     previous = _seen_graphs.get(structure)
     if previous is not None and previous != shapes:
         changed = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(previous, shapes, strict=False)) if a != b]
@@ -642,6 +779,7 @@ def _log_recompile(gm: torch.fx.GraphModule, example_inputs: list) -> None:
         if not _recompiles_expected.get():
             log.warning("torchbridge.compile: recompiling for new input shapes (%s)", "; ".join(changed))
     _seen_graphs[structure] = shapes
+    return structure
 
 
 def _is_symbol(value: Any) -> bool:
@@ -666,19 +804,64 @@ def _specialize(gm: torch.fx.GraphModule) -> None:
             guard_scalar(value)
 
 
+class _Specialise(Exception):
+    """A graph with symbolic sizes that some op cannot run padded (compile/bounded.py)."""
+
+
+def _aot(gm: torch.fx.GraphModule, example_inputs: list, bounded_sizes: bool) -> Any:
+    """AOTAutograd with our compilers; with `bounded_sizes`, raises _Specialise when the forward or
+    the backward graph has an op that cannot run on padded sizes."""
+    from torch._functorch.partitioners import default_partition
+
+    def check(graph: torch.fx.Graph) -> None:
+        why = bounded.unsupported(graph) if bounded_sizes else None
+        if why:
+            raise _Specialise(why)
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = default_partition(joint, joint_inputs, **kwargs)
+        check(fw.graph)
+        check(bw.graph)
+        return fw, bw
+
+    def forward(fw: torch.fx.GraphModule, inputs: list) -> Any:
+        check(fw.graph)  # an inference graph (no partition)
+        return compile_forward(fw, inputs)
+
+    # (F.scaled_dot_product_attention becomes one fused op in the graphs: the device answers PyTorch's
+    # SDPA backend choice with it, lowerings/attention.py)
+    return aot_autograd(fw_compiler=forward, bw_compiler=compile_graph, partition_fn=partition,
+                        decompositions=_decompositions(), keep_inference_input_mutations=True)(gm, example_inputs)
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """The function registered as torch.compile's `backend="tpu"`.
 
-    Shapes are static, as on TorchTPU: a new shape compiles a new static program (pad to buckets
-    with torchbridge.compile.pad_to_bucket). Nothing process-wide is changed: other backends keep
-    Dynamo's automatic dynamic shapes (see _specialize).
+    XLA programs are static. A graph whose sizes are symbolic (Dynamo's automatic dynamic shapes saw an
+    input's size change, as for any backend) runs as bounded programs, one per padded size bucket,
+    where every op on those sizes can run padded (compile/bounded.py); otherwise it is specialised:
+    each new size compiles a new static program (pad to buckets yourself with
+    torchbridge.compile.pad_to_bucket). Nothing process-wide is changed: other backends keep Dynamo's
+    automatic dynamic shapes (see _specialize).
     """
-    _specialize(gm)
-    _log_recompile(gm, example_inputs)
-    # (F.scaled_dot_product_attention becomes one fused op in the graphs: the device answers PyTorch's
-    # SDPA backend choice with it, lowerings/attention.py)
-    return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_graph, decompositions=_decompositions(),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    # which inputs have symbolic sizes, with the graph's structure: the key of a decision to specialise
+    symbolic = tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+                     if bounded.free_symbols(n.meta.get("example_value")))
+    structure = (_log_recompile(gm, example_inputs), symbolic)
+    if symbolic and structure not in _specialised:
+        try:
+            return _aot(gm, example_inputs, bounded_sizes=True)
+        except _Specialise as e:
+            log.info("torchbridge.compile: one program per size (%s)", e)
+            _specialised[structure] = str(e)
+    if symbolic:
+        _specialize(gm)
+    return _aot(gm, example_inputs, bounded_sizes=False)
+
+
+# Graph structures found unable to run padded: their later sizes are specialised without tracing the
+# graph twice (the engine compiles one structure for each of its many shape buckets).
+_specialised: dict[Any, str] = {}
 
 
 def register(name: str) -> None:

@@ -67,6 +67,15 @@ def flat_value(t: torch.Tensor) -> jax.Array:
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a device tensor (contiguous, same shape and dtype)."""
+    _, buf, jdt, spec, count = _parts(t)
+    if STATE.platform == "cpu" and buf.dtype == jdt and jdt != np.bool_:
+        # JAX's CPU buffers are host memory: gather the view with numpy, no program per view shape
+        # (a compiled graph's output of a changing size is a view into a padded buffer, compile/bounded.py)
+        flat = np.asarray(buf)
+        item = flat.dtype.itemsize
+        view = np.lib.stride_tricks.as_strided(flat[spec.offset:], shape=spec.shape,
+                                               strides=tuple(s * item for s in spec.strides))
+        return dtypes.numpy_to_host(np.ascontiguousarray(view), t.dtype).reshape(t.shape)
     return dtypes.numpy_to_host(np.asarray(value(t)), t.dtype).reshape(t.shape)
 
 
@@ -76,6 +85,25 @@ def from_array(arr: jax.Array, dtype: torch.dtype, device: torch.device) -> torc
     jdev = STATE.jax_device(device.index or 0)
     STATE.table.set(out.untyped_storage().data_ptr(), jax.device_put(arr.reshape(-1), jdev))
     return out
+
+
+def write_from_host(t: torch.Tensor, host: torch.Tensor) -> bool:
+    """`t.copy_(host)` as one transfer when `t` covers its whole storage contiguously and `host` is a
+    CPU tensor of its shape and dtype (what `.to(device)` does): the storage gets the host values as
+    its buffer, with no program, so a new shape (a jagged batch's index list) compiles nothing.
+    False (nothing done) otherwise, or while fused eager mode has recorded work (ordering)."""
+    from torchbridge.device import fused
+
+    if (host.device.type != "cpu" or host.dtype != t.dtype or tuple(host.shape) != tuple(t.shape)
+            or host.is_conj() or host.is_neg() or t.is_conj() or t.is_neg() or fused.RECORDER.records):
+        return False
+    STATE.table.drain()
+    storage = t.untyped_storage()
+    if t.storage_offset() != 0 or not t.is_contiguous() or storage.nbytes() != t.numel() * t.element_size():
+        return False
+    arr = dtypes.host_to_numpy(host).reshape(-1)
+    STATE.table.set(storage.data_ptr(), jax.device_put(arr, jax_device(t)))
+    return True
 
 
 def write_flat(t: torch.Tensor, values: jax.Array) -> None:

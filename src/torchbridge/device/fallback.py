@@ -20,7 +20,7 @@ import torch
 from torch._decomp import decomposition_table
 
 from torchbridge.device import dispatch, dtypes
-from torchbridge.device.buffers import from_array, to_host, value
+from torchbridge.device.buffers import from_array, to_host, value, write_from_host
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
 
@@ -77,6 +77,8 @@ def _host_with_bits(t: torch.Tensor) -> torch.Tensor:
 def _copy_(op, args, kwargs):
     self, src = args[0], args[1]
     if _is_dev(self):
+        if not _is_dev(src) and isinstance(src, torch.Tensor) and write_from_host(self, src):
+            return self  # a host tensor into a whole device storage: one transfer, no program
         if _is_dev(src) and src.device != self.device:
             src = _host_with_bits(src)  # device -> device through host keeps it simple and correct
         if not _is_dev(src) and _has_bits(src):

@@ -11,10 +11,12 @@
 // un-transposed with trans_a/trans_b set, so a weight read as W.T costs no copy.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <c10/core/InferenceMode.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -111,7 +113,110 @@ ffi::Error attention_backward(ffi::AnyBuffer grad_out, ffi::AnyBuffer q, ffi::An
   return ffi::Error::Success();
 }
 
+// Adam/AdamW: one parameter's update in one pass. XLA:CPU has no multi-output loop fusion: it emits
+// each moment's update as its own loop and recomputes both inside the parameter's, reading 8 arrays
+// and writing 3 per element; this loop reads p, g, m, v once and writes p', m', v' once (what
+// inductor's and PyTorch's fused kernels do). The operations are torch's foreach AdamW's, in its
+// order: m' = lerp(m, g, 1 - beta1), v' = beta2 v + (1 - beta2) g g, d = sqrt(v') / sqrt(bc2) + eps,
+// p' = decay p - step_size m' / d (first g = gscale g + l2 p: maximize's sign, Adam's L2 weight decay).
+struct AdamCoef {
+  double decay, l2, w1, beta2, w2, step_size, bc2_sqrt, eps, gscale;  // gscale: -1 for maximize
+};
+
+// The loop, written once for float and double. No helper calls inside (a function compiled with
+// other options than its caller is not inlined, and a call stops vectorisation); the square root is
+// the builtin, which -fno-math-errno (native.py) lets the vectoriser turn into vsqrtps.
+#define TORCHBRIDGE_ADAM_LOOP(T, SQRT)                                                                       \
+  const T decay = c.decay, l2 = c.l2, w1 = c.w1, b2 = c.beta2, w2 = c.w2, step = c.step_size, bc2 = c.bc2_sqrt, \
+          eps = c.eps, gs = c.gscale;                                                                        \
+  if (l2 != 0) { /* Adam's L2 weight decay: g += l2 p (AdamW decays p itself through `decay`) */            \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = gs * g[i] + l2 * p[i];                                                                    \
+      const T mi = low ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * (1 - w1);                              \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
+  } else if (low) { /* torch's lerp: the formula depends on which end the weight is nearer */               \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = gs * g[i];                                                                                \
+      const T mi = m[i] + w1 * (gi - m[i]);                                                                  \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
+  } else {                                                                                                   \
+    for (int64_t i = lo; i < hi; ++i) {                                                                      \
+      const T gi = gs * g[i];                                                                                \
+      const T mi = gi - (gi - m[i]) * (1 - w1);                                                              \
+      const T vi = v[i] * b2 + w2 * gi * gi;                                                                 \
+      po[i] = p[i] * decay - step * (mi / (SQRT(vi) / bc2 + eps));                                           \
+      mo[i] = mi;                                                                                            \
+      vo[i] = vi;                                                                                            \
+    }                                                                                                        \
+  }
+
+// one copy per instruction set, picked when the library loads
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f32(
+    const float* __restrict p, const float* __restrict g, const float* __restrict m, const float* __restrict v,
+    float* __restrict po, float* __restrict mo, float* __restrict vo, int64_t lo, int64_t hi, const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  TORCHBRIDGE_ADAM_LOOP(float, __builtin_sqrtf)
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f64(
+    const double* __restrict p, const double* __restrict g, const double* __restrict m, const double* __restrict v,
+    double* __restrict po, double* __restrict mo, double* __restrict vo, int64_t lo, int64_t hi, const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  TORCHBRIDGE_ADAM_LOOP(double, __builtin_sqrt)
+}
+#undef TORCHBRIDGE_ADAM_LOOP
+
+ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::AnyBuffer v, ffi::AnyBuffer coef,
+                     ffi::Result<ffi::AnyBuffer> po, ffi::Result<ffi::AnyBuffer> mo, ffi::Result<ffi::AnyBuffer> vo) {
+  const auto t = p.element_type();
+  if (g.element_type() != t || m.element_type() != t || v.element_type() != t || coef.element_type() != ffi::DataType::F64 ||
+      coef.element_count() != 9 || (t != ffi::DataType::F32 && t != ffi::DataType::F64)) {
+    return ffi::Error::InvalidArgument("torchbridge adam step: float32/float64 arrays and 9 float64 coefficients");
+  }
+  const int64_t n = static_cast<int64_t>(p.element_count());
+  if (g.element_count() != static_cast<size_t>(n) || m.element_count() != static_cast<size_t>(n) ||
+      v.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("torchbridge adam step: arrays of different sizes");
+  }
+  AdamCoef c;
+  std::memcpy(&c, coef.untyped_data(), sizeof(c));
+  // chunks of 64K elements: a few per thread for the large matrices, one call's worth for small ones
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    if (t == ffi::DataType::F32) {
+      adam_f32(static_cast<const float*>(p.untyped_data()), static_cast<const float*>(g.untyped_data()),
+                        static_cast<const float*>(m.untyped_data()), static_cast<const float*>(v.untyped_data()),
+                        static_cast<float*>(po->untyped_data()), static_cast<float*>(mo->untyped_data()),
+                        static_cast<float*>(vo->untyped_data()), lo, hi, c);
+    } else {
+      adam_f64(static_cast<const double*>(p.untyped_data()), static_cast<const double*>(g.untyped_data()),
+                         static_cast<const double*>(m.untyped_data()), static_cast<const double*>(v.untyped_data()),
+                         static_cast<double*>(po->untyped_data()), static_cast<double*>(mo->untyped_data()),
+                         static_cast<double*>(vo->untyped_data()), lo, hi, c);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdamStep, adam_step,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAttention, attention,
                               ffi::Ffi::Bind()
@@ -155,3 +260,4 @@ void* torchbridge_host_gemm_handler() { return reinterpret_cast<void*>(&Torchbri
 void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeFence); }
 void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
 void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
+void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchbridge.device import host_calls
 from torchbridge.device.lowerings.registry import KERNEL_OVERRIDES, ctx, lower
 
 # PyTorch's CompositeExplicitAutograd kernels for these would shadow the lowerings below in eager mode.
@@ -814,6 +815,18 @@ def _adam(decoupled: bool):
         params, m1, m2, vmax = [], [], [], []
         for i, (p, g, m, v, step) in enumerate(zip(self, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
             lr_ = jnp.asarray(lr, p.dtype)
+            step = jnp.asarray(step).astype(p.dtype)
+            bc1 = 1 - jnp.power(beta1, step)
+            bc2_sqrt = jnp.sqrt(1 - jnp.power(beta2, step))
+            if not amsgrad:  # one pass over the parameter's arrays (host_calls.adam_update)
+                p, m, v = host_calls.adam_update(
+                    p, g, m, v, decay=1 - lr_ * weight_decay if decoupled else 1.0,
+                    l2=0.0 if decoupled else weight_decay, w1=1 - beta1, beta2=beta2, w2=1 - beta2, step_size=lr_ / bc1,
+                    bc2_sqrt=bc2_sqrt, eps=eps)
+                params.append(p)
+                m1.append(m)
+                m2.append(v)
+                continue
             if weight_decay != 0:
                 if decoupled:
                     p = p * (1 - lr_ * weight_decay)
@@ -821,9 +834,6 @@ def _adam(decoupled: bool):
                     g = g + weight_decay * p
             m = m + (1 - beta1) * (g - m)
             v = beta2 * v + (1 - beta2) * g * g
-            step = jnp.asarray(step).astype(p.dtype)
-            bc1 = 1 - jnp.power(beta1, step)
-            bc2_sqrt = jnp.sqrt(1 - jnp.power(beta2, step))
             if amsgrad:
                 vm = jnp.maximum(max_exp_avg_sqs[i], v)
                 vmax.append(vm)
