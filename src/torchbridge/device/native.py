@@ -12,6 +12,8 @@ from types import ModuleType
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("native.cpp", "fast_path.cpp", "host_calls.cpp", "autocast.cpp")]
 _HEADERS = [_CSRC / "native.h"]
+# (-fno-math-errno: square roots need not set errno, so loops of them vectorise: the Adam step)
+_CFLAGS = ["-O2", "-fno-math-errno"]
 _module: ModuleType | None = None
 
 
@@ -20,7 +22,7 @@ def _build_dir() -> Path:
     import torch
 
     text = (b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + jax.__version__.encode()
-            + b"sources copied into the cache")  # builds from checkouts' own paths live in other folders
+            + " ".join(_CFLAGS).encode() + b"sources copied into the cache")  # builds from checkouts' own paths live in other folders
     digest = hashlib.sha256(text).hexdigest()[:16]
     root = Path(os.environ.get("TORCHBRIDGE_CACHE", Path.home() / ".cache" / "torchbridge"))
     path = root / f"native-{digest}"
@@ -60,8 +62,7 @@ def load() -> ModuleType:
                 sources=[str(build / "csrc" / p.name) for p in _SOURCES],
                 extra_include_paths=[jax.ffi.include_dir()],  # XLA's FFI headers, for the host GEMM
                 build_directory=str(build),
-                # (-fno-math-errno: square roots need not set errno, so loops of them vectorise: the Adam step)
-                extra_cflags=["-O2", "-fno-math-errno"],
+                extra_cflags=_CFLAGS,
                 verbose=os.environ.get("TORCHBRIDGE_VERBOSE_BUILD") == "1",
             )
     return _module
