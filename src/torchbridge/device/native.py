@@ -21,8 +21,9 @@ def _build_dir() -> Path:
     import jax
     import torch
 
+    # (the last part keeps these builds apart from older ones, which compiled each checkout's own files)
     text = (b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + jax.__version__.encode()
-            + " ".join(_CFLAGS).encode() + b"sources copied into the cache")  # builds from checkouts' own paths live in other folders
+            + " ".join(_CFLAGS).encode() + b"sources copied into the cache")
     digest = hashlib.sha256(text).hexdigest()[:16]
     root = Path(os.environ.get("TORCHBRIDGE_CACHE", Path.home() / ".cache" / "torchbridge"))
     path = root / f"native-{digest}"
