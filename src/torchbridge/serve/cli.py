@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K", help="n-gram lookup drafts of K tokens")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding config, e.g. {"method": "draft_model", "model": DIR, '
+                        '"num_speculative_tokens": 4} or {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 3}')
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help='n-gram lookup drafts of K tokens (= --speculative-config \'{"method": "ngram", '
+                        '"num_speculative_tokens": K}\')')
     p.add_argument("--shape-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
     p.add_argument("--compile", dest="compile_model", action=argparse.BooleanOptionalAction, default=None,
@@ -56,20 +62,15 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from torchbridge.serve.async_engine import AsyncEngine
-    from torchbridge.serve.config import EngineConfig
     from torchbridge.serve.engine import LLMEngine
     from torchbridge.serve.server import create_app
 
     logging.basicConfig(level=args.log_level.upper())
-    config = EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
-        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
-        kv_events=not args.no_kv_events,
-    )
+    try:
+        config = _engine_config(args, model)
+    except ValueError as e:  # a bad flag value (e.g. --speculative-config): the message, not a traceback
+        print(f"torchbridge serve: {e}", file=sys.stderr)
+        return 2
     engine = LLMEngine(config)
     if args.warmup if args.warmup is not None else config.shape_buckets:
         n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
@@ -86,3 +87,18 @@ def main(argv: list[str]) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _engine_config(args: argparse.Namespace, model: str):  # noqa: ANN202 - an EngineConfig
+    from torchbridge.serve.config import EngineConfig
+
+    return EngineConfig(
+        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
+        speculative_config=args.speculative_config,
+        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
+        kv_events=not args.no_kv_events,
+    )

@@ -151,6 +151,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --speculative-config (spec_decode.SpeculativeConfig, or its JSON as a string or dict).
+    speculative_config: object = None
+    # Shorthand for {"method": "ngram", "num_speculative_tokens": speculative_ngram, ...}.
     speculative_ngram: int = 0
     ngram_min: int = 1
     ngram_max: int = 3
@@ -190,6 +193,13 @@ class EngineConfig:
             self.compile_model = _is_bridge_device(self.device) and self.shape_buckets
         if self.compile_model and not self.shape_buckets:
             raise ValueError("compile_model needs shape_buckets: without them every step is a new shape to compile")
+        from torchbridge.serve.spec_decode import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+        if self.speculative_config is None and self.speculative_ngram:
+            self.speculative_config = SpeculativeConfig("ngram", self.speculative_ngram, None, self.ngram_min,
+                                                        self.ngram_max)
+            self.speculative_config.validate()
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 
