@@ -64,16 +64,14 @@ def run_vllm_offline(python: Path, model_dir: Path, args: argparse.Namespace, re
                      out_lens: list[int]) -> float:
     from peer_vllm import offline_command, vllm_env
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": requests, "out_lens": out_lens}, f)
-    try:
-        cmd = offline_command(python, model_dir, Path(f.name), args.concurrency, args.dtype, 1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "result.json"
+        req_file.write_text(json.dumps({"prompts": requests, "out_lens": out_lens}))
+        cmd = offline_command(python, model_dir, req_file, args.concurrency, args.dtype, 1024, out_file)
         out = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(args.threads))
-        if out.returncode != 0:
+        if out.returncode != 0 or not out_file.is_file():
             raise RuntimeError(f"vLLM offline run failed ({out.returncode}):\n{out.stderr[-5000:]}")
-        return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
-    finally:
-        os.unlink(f.name)
+        return float(json.loads(out_file.read_text())["seconds"])
 
 
 def _median_range(xs: list[float], fmt: str = "{:.1f}") -> str:

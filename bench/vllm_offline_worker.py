@@ -3,7 +3,8 @@
 Standalone on purpose: it runs under the peer's interpreter, which has vLLM and its torch but not
 torchbridge. Reads the requests (prompt token ids, output lengths) from a JSON file, warms the engine
 up with one short request, times one generate() over all of them (greedy, EOS ignored, so every request
-produces exactly its length) and prints {"seconds": ...} as its last line.
+produces exactly its length) and writes {"seconds": ...} to --out (vLLM's engine processes print to
+stdout too, so stdout is not parsed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -37,7 +39,8 @@ def main() -> int:
     if got != out_lens:
         print(f"output lengths differ from the requested ones: {got} vs {out_lens}", file=sys.stderr)
         return 1
-    print(json.dumps({"seconds": dt}))
+    with open(args.out, "w") as f:
+        json.dump({"seconds": dt}, f)
     return 0
 
 
