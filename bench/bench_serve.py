@@ -42,25 +42,43 @@ from pathlib import Path
 
 import torch
 
+BENCH_VOCAB = 8000
+
 
 def make_model(out_dir: Path) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=BENCH_VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                       bos_token_id=0, eos_token_id=1, pad_token_id=2)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out_dir)
+    save_tokenizer(out_dir, BENCH_VOCAB)
     return sum(p.numel() for p in model.parameters())
 
 
-def make_requests(n: int, input_len: list[int], output_len: list[int], seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def save_tokenizer(out_dir: Path, vocab: int) -> None:
+    """The bundled model's tokenizer (byte-level BPE, 4,096 tokens; <|bos|>, <|eos|>, <|pad|> are ids 0-2
+    as in the bench config), filled up to `vocab` with plain added tokens, so that every id the random
+    model emits has a text: both engines detokenize their outputs (a server streams text)."""
+    from transformers import AutoTokenizer
+
+    from torchbridge.serve import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tok.add_tokens([f"<|x{i}|>" for i in range(vocab - len(tok))])
+    assert len(tok) == vocab
+    tok.save_pretrained(out_dir)
+
+
+def make_requests(n: int, input_len: list[int], output_len: list[int], seed: int = 0,
+                  vocab: int = BENCH_VOCAB) -> tuple[list[list[int]], list[int]]:
     """Prompts with uniform random lengths in input_len, and an output length per request uniform in
     output_len (both ranges inclusive)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(input_len[0], input_len[1] + 1, (n,), generator=g).tolist()
-    prompts = [torch.randint(3, 8000, (k,), generator=g).tolist() for k in lens]
+    prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
     outs = torch.randint(output_len[0], output_len[1] + 1, (n,), generator=g).tolist()
     return prompts, outs
 
@@ -104,13 +122,14 @@ class _Clock:
         pass
 
 
-def run_hf(model_dir: Path, requests: list[list[int]], out_lens: list[int], batch: int) -> tuple[float, list[dict], int]:
+def run_hf(model_dir: Path, requests: list[list[int]], out_lens: list[int], batch: int,
+           dtype: str = "float32") -> tuple[float, list[dict], int]:
     """vLLM's run_hf: batches in arrival order, left-padded, max_new_tokens = the batch's longest output
     (min_new_tokens the same, so EOS cannot end it early). Returns (seconds, per-request token times,
     tokens generated including those past a request's own length)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.no_grad():
         model.generate(torch.tensor([requests[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=2)
     per_request, computed = [], 0
@@ -137,12 +156,13 @@ def run_hf(model_dir: Path, requests: list[list[int]], out_lens: list[int], batc
 
 # ---- ours -----------------------------------------------------------------------------------------
 def run_ours_offline(model_dir: Path, requests: list[list[int]], out_lens: list[int], concurrency: int,
-                     decode_workspace: bool = True, device: str = "cpu", compile_model: bool | None = None) -> float:
+                     decode_workspace: bool = True, device: str = "cpu", compile_model: bool | None = None,
+                     dtype: str = "float32") -> float:
     from torchbridge.serve import LLM, SamplingParams
 
     extra = {} if device == "cpu" else {"device": device, "compile_model": compile_model}
     llm = LLM(str(model_dir), max_num_seqs=concurrency, max_model_len=1024, enable_prefix_caching=False,
-              decode_workspace=decode_workspace, **extra)
+              decode_workspace=decode_workspace, dtype=dtype, **extra)
     llm.generate([requests[0][:8]], SamplingParams(temperature=0, max_tokens=2))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     if device != "cpu":
@@ -191,37 +211,59 @@ async def _online_client(base: str, requests: list[list[int]], out_lens: list[in
     return results
 
 
-def run_ours_online(
-    model_dir: Path, requests: list[list[int]], out_lens: list[int], concurrency: int, threads: int
-) -> tuple[float, list[dict]]:
+def run_online(cmd: list[str], env: dict[str, str], requests: list[list[int]], out_lens: list[int],
+               concurrency: int, start_timeout: float = 120) -> tuple[float, list[dict], float]:
+    """Start a server (`cmd`, which listens on the port after its --port), wait for /health, warm it up
+    with two short requests, then time the workload. Returns (wall s, per-request times, start-up s)."""
     import httpx
 
-    port = free_port()
-    code = ("import sys; from torchbridge.serve.cli import main; sys.exit(main(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--served-model-name", "bench",
-           "--max-num-seqs", str(concurrency), "--max-model-len", "1024", "--no-enable-prefix-caching",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=thread_env(threads))
+    port = cmd[cmd.index("--port") + 1]
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
+    # stderr to a file, not a pipe: a chatty server would block on a full pipe.
+    with tempfile.TemporaryFile() as log:
+        t_start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        try:
+            deadline = time.monotonic() + start_timeout
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"server did not start: {' '.join(cmd)}\n" + log.read().decode()[-5000:])
+                time.sleep(0.2)
+            startup = time.monotonic() - t_start
+            asyncio.run(_online_client(base, requests[:2], [2, 2], 2))  # warm the server up
+            t0 = time.perf_counter()
+            results = asyncio.run(_online_client(base, requests, out_lens, concurrency))
+            assert results and sum(r["num_tokens"] for r in results) == sum(out_lens)
+            return time.perf_counter() - t0, results, startup
+        finally:
+            proc.terminate()
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start: " + (proc.stderr.read().decode() if proc.stderr else ""))
-            time.sleep(0.2)
-        asyncio.run(_online_client(base, requests[:2], [2, 2], 2))  # warm the server up
-        t0 = time.perf_counter()
-        results = asyncio.run(_online_client(base, requests, out_lens, concurrency))
-        assert [r["num_tokens"] for r in results] != [] and sum(r["num_tokens"] for r in results) == sum(out_lens)
-        return time.perf_counter() - t0, results
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def ours_serve_command(model_dir: Path, port: int, concurrency: int, dtype: str = "float32") -> list[str]:
+    code = "import sys; from torchbridge.serve.cli import main; sys.exit(main(sys.argv[1:]))"
+    return [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--served-model-name", "bench",
+            "--max-num-seqs", str(concurrency), "--max-model-len", "1024", "--no-enable-prefix-caching",
+            "--dtype", dtype, "--log-level", "warning"]
+
+
+def run_ours_online(
+    model_dir: Path, requests: list[list[int]], out_lens: list[int], concurrency: int, threads: int,
+    dtype: str = "float32",
+) -> tuple[float, list[dict]]:
+    cmd = ours_serve_command(model_dir, free_port(), concurrency, dtype)
+    t, results, _ = run_online(cmd, thread_env(threads), requests, out_lens, concurrency)
+    return t, results
 
 
 def ratios(results: dict[str, dict]) -> dict[str, float]:
@@ -303,7 +345,8 @@ def in_subprocess(kind: str, model_dir: Path, args: argparse.Namespace, output_l
     engine inherits the parent's heap and threads."""
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", str(model_dir),
            "--num-requests", str(num_requests), "--concurrency", str(args.concurrency), "--seed", str(args.seed),
-           "--input-len", *map(str, args.input_len), "--output-len", *map(str, output_len), "--threads", str(args.threads)]
+           "--input-len", *map(str, args.input_len), "--output-len", *map(str, output_len), "--threads", str(args.threads),
+           "--dtype", args.dtype, "--vocab", str(args.vocab)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=thread_env(args.threads))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -318,19 +361,21 @@ def best_of(repeats: int, kind: str, model_dir: Path, args: argparse.Namespace, 
 
 
 def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
-    reqs, out_lens = make_requests(args.num_requests, args.input_len, args.output_len, args.seed)
+    reqs, out_lens = make_requests(args.num_requests, args.input_len, args.output_len, args.seed, args.vocab)
     torch.set_num_threads(args.threads)
     result: dict = {}
     if kind in ("ours", "ours-gather"):
-        result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind == "ours")
+        result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind == "ours",
+                                             dtype=args.dtype)
     elif kind in ("ours-tpu", "ours-tpu-ops"):
         import torchbridge
 
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency,
-                                             device=torchbridge.device_name(), compile_model=kind == "ours-tpu")
+                                             device=torchbridge.device_name(), compile_model=kind == "ours-tpu",
+                                             dtype=args.dtype)
     else:
         batch = args.concurrency if kind == "hf-batched" else 1
-        t, per, computed = run_hf(model_dir, reqs, out_lens, batch)
+        t, per, computed = run_hf(model_dir, reqs, out_lens, batch, args.dtype)
         result.update(seconds=t, online=summarize(per), computed=computed)
     print(json.dumps(result))
     return 0
@@ -344,6 +389,9 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
         lines.append(f"| {name} | {r['seconds']:.2f} | {n_out / r['seconds']:.1f} | {r['seconds'] / ours:.2f}x "
                      f"| {r.get('computed', n_out)} | {', '.join(map(str, r['all_seconds']))} |")
     return lines
+
+
+ARMS = ("ours", "ours-gather", "ours-tpu", "ours-tpu-ops", "hf-batched", "hf-sequential", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,9 +415,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf-sequential", action="store_true", help="skip the slow one-request-at-a-time baseline")
     ap.add_argument("--no-device", action="store_true", help="skip the engine on the bridge's device (ours-tpu)")
     ap.add_argument("--write", type=Path, default=None, help="write the markdown report here")
+    ap.add_argument("--arms", default=None,
+                    help=f"comma-separated engines to compare, arms alternated per round (e.g. ours,vllm); one of "
+                         f"{','.join(ARMS)}. Without it: the fixed set of the original report")
+    ap.add_argument("--rounds", type=int, default=3, help="with --arms: rounds (medians and ranges over them)")
+    ap.add_argument("--model", default="bench",
+                    help="with --arms: 'bench' (the 21M random Llama), 'bundled' (the bundled model) or a checkpoint dir")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="every engine's dtype")
+    ap.add_argument("--no-online", action="store_true", help="with --arms: skip the servers (TTFT, TPOT, ITL, E2E)")
+    ap.add_argument("--vocab", type=int, default=BENCH_VOCAB, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.model_dir, args)
+    if args.arms:
+        from bench_serve_versus import versus
+
+        return versus(args, argv if argv is not None else sys.argv[1:])
 
     reqs, out_lens = make_requests(args.num_requests, args.input_len, args.output_len, args.seed)
     n_out = sum(out_lens)

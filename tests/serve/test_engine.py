@@ -40,8 +40,9 @@ def test_greedy_matches_hf_generate(llama_dir: Path, references: tuple, variant:
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
     if variant == "speculative-ngram":
-        p = llm.engine.proposer
-        assert p is not None and p.num_draft_tokens > 0 and p.num_accepted_tokens <= p.num_draft_tokens
+        st = llm.engine.spec_stats
+        assert llm.engine.proposer is not None and st.num_draft_tokens > 0
+        assert st.num_accepted_tokens <= st.num_draft_tokens
     if variant == "chunked-prefill":
         # Some prompt needed several steps before its first token.
         assert max(len(p) for p in prompts) > 8

@@ -179,6 +179,9 @@ def test_metrics_and_health(client: openai.OpenAI, server: tuple) -> None:
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["vllm:generation_tokens_total"] >= 6 and values["vllm:prompt_tokens_total"] >= 10
     assert values["vllm:spec_decode_num_draft_tokens_total"] > 0
+    per_pos = [s for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert per_pos and sum(s.value for s in per_pos) == values["vllm:spec_decode_num_accepted_tokens_total"]
 
 
 def test_kv_events_publish_prompt_blocks(client: openai.OpenAI, server: tuple) -> None:

@@ -25,7 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K", help="n-gram lookup drafts of K tokens")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding config, e.g. {"method": "draft_model", "model": DIR, '
+                        '"num_speculative_tokens": 4} or {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 3}')
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help='n-gram lookup drafts of K tokens (= --speculative-config \'{"method": "ngram", '
+                        '"num_speculative_tokens": K}\')')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes, one per chip (rank r computes on <device>:r); "
                         "N must divide the model's attention and key/value heads")
@@ -60,7 +66,6 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from torchbridge.serve.async_engine import AsyncEngine
-    from torchbridge.serve.config import EngineConfig
     from torchbridge.serve.engine import LLMEngine
     from torchbridge.serve.server import create_app
 
@@ -69,16 +74,7 @@ def main(argv: list[str]) -> int:
         print("torchbridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
     try:
-        config = EngineConfig(
-            model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-            kv_cache_memory_gib=args.kv_cache_memory_gib,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
-            tensor_parallel_size=args.tensor_parallel_size, shape_buckets=args.shape_buckets,
-            compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
-            kv_events=not args.no_kv_events,
-        )
+        config = _engine_config(args, model)
     except ValueError as e:  # a setting this model or device cannot take: say which, no traceback
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 2
@@ -102,3 +98,18 @@ def main(argv: list[str]) -> int:
 
 def _exit(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _engine_config(args: argparse.Namespace, model: str):  # noqa: ANN202 - an EngineConfig
+    from torchbridge.serve.config import EngineConfig
+
+    return EngineConfig(
+        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
+        speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
+        kv_events=not args.no_kv_events,
+    )

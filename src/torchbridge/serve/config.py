@@ -151,6 +151,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --speculative-config (spec_decode.SpeculativeConfig, or its JSON as a string or dict).
+    speculative_config: object = None
+    # Shorthand for {"method": "ngram", "num_speculative_tokens": speculative_ngram, ...}.
     speculative_ngram: int = 0
     ngram_min: int = 1
     ngram_max: int = 3
@@ -199,6 +202,18 @@ class EngineConfig:
             from torchbridge.serve.workers import check_placement
 
             check_placement(self.device, self.tensor_parallel_size)
+        from torchbridge.serve.spec_decode import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+        if self.speculative_config is None and self.speculative_ngram:
+            self.speculative_config = SpeculativeConfig("ngram", self.speculative_ngram, None, self.ngram_min,
+                                                        self.ngram_max)
+            self.speculative_config.validate()
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None and (
+                self.speculative_config.method == "draft_model"):
+            # the draft runs on rank 0's chip only and its steps are not in the plans the workers follow
+            raise ValueError("--speculative-config with method draft_model is not supported with "
+                             "--tensor-parallel-size > 1 yet (use method ngram, or one rank)")
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

@@ -19,11 +19,11 @@ from torchbridge.serve.block_manager import BlockManager
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.kv_events import KVEventLog
 from torchbridge.serve.model_runner import ModelRunner
-from torchbridge.serve.sampler import Sampled, Sampler, token_logprobs
+from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, token_logprobs
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
-from torchbridge.serve.scheduler import Scheduler
+from torchbridge.serve.scheduler import Batch, Scheduler
 from torchbridge.serve.sequence import Sequence, Status
-from torchbridge.serve.spec_decode import NgramProposer
+from torchbridge.serve.spec_decode import SpecStats, eligible, make_proposer, rejection_sample
 from torchbridge.serve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, eos)
-        self.proposer = NgramProposer(config.speculative_ngram, config.ngram_min, config.ngram_max) if config.speculative_ngram else None
+        self.proposer = make_proposer(config)
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._grammars = None  # structured_output.GrammarCompiler, made with the first constrained request
         # Characters a prompt of max_model_len tokens can have at most, so that a longer text is refused
@@ -206,6 +207,7 @@ class LLMEngine:
         if not batch.items:
             return updates
         self.stats.steps += 1
+        draft_probs = self._propose_with_model(batch) if self.proposer is not None and self.proposer.needs_model else {}
         try:
             logits, rows = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
@@ -224,7 +226,8 @@ class LLMEngine:
                 self.block_manager.commit(seq)
             elif it.draft_tokens:
                 try:
-                    new_tokens[seq.seq_id] = (seq, *self._verify(seq, it.draft_tokens, logits[row : row + count]))
+                    new_tokens[seq.seq_id] = (seq, *self._verify(seq, it.draft_tokens, logits[row : row + count],
+                                                                  draft_probs.get(seq.seq_id)))
                 except Exception as e:  # noqa: BLE001
                     failed[seq.request_id] = self._failure("verifying drafts", e)
             else:
@@ -268,25 +271,58 @@ class LLMEngine:
         return f"{stage} failed: {type(e).__name__}: {e}"
 
     def _propose(self) -> None:
+        """Drafts (n-gram) or reserved draft slots (draft model) for every running sequence that decodes
+        one token this step; the scheduler budgets and allocates for them."""
         assert self.proposer is not None
         max_len = self.config.max_model_len
         for seq in self.scheduler.running:
             seq.draft_tokens = []
-            if seq.num_uncomputed == 1 and self.proposer.eligible(seq):
+            if seq.num_uncomputed == 1 and eligible(seq):
                 room = min(self._max_tokens(seq) - seq.num_output_tokens, max_len - len(seq.token_ids)) - 1
-                seq.draft_tokens = self.proposer.propose(seq.token_ids, room)
+                if self.proposer.needs_model:
+                    seq.draft_tokens = [0] * max(0, min(self.proposer.k, room))  # filled after scheduling
+                else:
+                    seq.draft_tokens = self.proposer.propose(seq.token_ids, room)  # type: ignore[union-attr]
 
-    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> tuple[list[int], list[dict]]:
-        """Keep drafts while they equal the model's greedy choice, then add the model's own next token."""
+    def _propose_with_model(self, batch: Batch) -> dict[int, torch.Tensor]:
+        """The draft model's tokens for the slots the scheduler kept; the distributions sampled drafts came
+        from, by sequence. A failing draft model costs speculation for this step, not the requests."""
+        items = [it for it in batch.items if it.draft_tokens]
+        if not items:
+            return {}
+        try:
+            qs = self.proposer.propose(items, self.sampler)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001
+            log.exception("the draft model failed; these sequences decode without drafts this step")
+            for it in items:
+                it.draft_tokens = it.seq.draft_tokens = []
+                it.seq.draft_num_computed = 0
+            return {}
+        return {it.seq.seq_id: q for it, q in zip(items, qs, strict=True) if q is not None}
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor,
+                draft_probs: torch.Tensor | None = None) -> tuple[list[int], list[dict]]:
+        """Greedy: keep drafts while they equal the model's argmax, then add the argmax. Sampled: the
+        rejection sampler (spec_decode.rejection_sample), whose tokens follow the model's distribution."""
         assert self.proposer is not None
-        target = logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-            accepted += 1
-        self.proposer.record(len(drafts), accepted)
+        if seq.params.greedy:
+            target = logits.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            toks = target[: accepted + 1]
+        else:
+            probs = self.sampler._probs(logits, [seq] * logits.shape[0])
+            if not bool((torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).all()):
+                raise ValueError(NO_TOKEN)
+            out, acc = rejection_sample(probs[None], torch.tensor([drafts]),
+                                        None if draft_probs is None else draft_probs[None],
+                                        seq.generator or self.sampler.generator)
+            accepted = int(acc[0])
+            toks = out[0, : accepted + 1].tolist()
+        self.spec_stats.record(len(drafts), accepted)
         # Accepted drafts were fed with their K/V written at the right positions: they count as computed.
         seq.num_computed_tokens += accepted
-        toks = target[: accepted + 1]
         lps = []
         if seq.params.logprobs is not None:
             rows = torch.log_softmax(logits[: accepted + 1], dim=-1)
@@ -333,10 +369,18 @@ class LLMEngine:
         # A stop token or EOS ends the text but is not part of it.
         hide_last = finish is not None and finish[0] == "stop"
         if self.tokenizer is not None:
-            ids = seq.output_ids[:-1] if hide_last else seq.output_ids
-            text = self.tokenizer.decode(ids)
-            prev = len(seq.text)
-            if p.stop and finish is None:
+            if seq.detok is None:
+                seq.detok = self.tokenizer.detokenizer(seq.prompt_len)
+            detok = seq.detok
+            end = len(seq.token_ids) - (1 if hide_last else 0)
+            prev = len(detok.text)  # type: ignore[attr-defined]
+            detok.step(seq.token_ids, end)  # type: ignore[attr-defined]
+            if finish is not None:
+                detok.finish(seq.token_ids, end)  # type: ignore[attr-defined]
+            text = detok.text  # type: ignore[attr-defined]
+            if p.stop and len(text) > prev:
+                # Only text that is new can complete a stop string; one found ends the output there, also
+                # when the same step hit max_tokens or a stop token (the string came first).
                 longest = max(len(s) for s in p.stop)
                 start = max(0, prev - longest + 1)
                 hits = [(text.find(s, start), s) for s in p.stop]
@@ -361,7 +405,7 @@ class LLMEngine:
         upto = max(upto, seq.emitted_text_len)
         new_text = text[seq.emitted_text_len : upto]
         seq.emitted_text_len = upto
-        new_ids = seq.output_ids[seq.num_emitted_tokens :]
+        new_ids = seq.token_ids[seq.prompt_len + seq.num_emitted_tokens :]  # not output_ids: that copies all
         new_lps = seq.logprobs[seq.num_emitted_tokens :]
         seq.num_emitted_tokens = seq.num_output_tokens
         if finished:

@@ -52,12 +52,21 @@ class _EngineCollector:
         )
         info.add_metric([str(cfg.block_size), str(cfg.num_blocks), str(cfg.enable_prefix_caching)], 1.0)
         yield info
-        p = eng.proposer
-        if p is not None:
-            yield counter("vllm:spec_decode_num_drafts", "Speculative proposals verified.", p.num_drafts)
-            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", p.num_draft_tokens)
-            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", p.num_accepted_tokens)
-            yield gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.", p.acceptance_rate)
+        if eng.proposer is not None:
+            st = eng.spec_stats
+            # vLLM's v1 counters (its logs derive acceptance rate = accepted / draft tokens and mean
+            # acceptance length = 1 + accepted / drafts from them), plus v0's acceptance-rate gauge.
+            yield counter("vllm:spec_decode_num_drafts", "Speculative proposals verified.", st.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", st.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft.",
+                                          labels=["model_name", "position"])
+            for i, n in enumerate(st.accepted_per_pos):
+                per_pos.add_metric([name, str(i)], n)
+            yield per_pos
+            yield gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.",
+                        st.acceptance_rate)
 
 
 class Metrics:

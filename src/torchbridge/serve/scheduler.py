@@ -66,6 +66,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_num_computed = 0  # the draft model's K/V lived in the freed blocks too
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -50,11 +50,14 @@ class Sequence:
         if params.seed is not None:
             # Distinct but reproducible streams for the n choices of one seeded request.
             self.generator = torch.Generator().manual_seed(params.seed + index)
-        # Set by the engine's detokenizer.
+        # Set by the engine's detokenizer (detokenizer.Detokenizer, made with the first output token).
+        self.detok: object | None = None
         self.text = ""
         self.emitted_text_len = 0
         self.num_emitted_tokens = 0
         self.draft_tokens: list[int] = []
+        # Tokens whose K/V the draft model (spec_decode.DraftModelProposer) has in its cache.
+        self.draft_num_computed = 0
         # The grammar matcher of a constrained request (structured_output), set by the engine.
         self.matcher: object | None = None
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from torchbridge.serve.detokenizer import Detokenizer
+
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
@@ -15,12 +17,28 @@ class Tokenizer:
         # The longest vocabulary entry, in characters: for tokenizers that spell out every byte of the
         # text (byte-level BPE, SentencePiece) no token covers more characters of a prompt than this.
         self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
+        # The Rust tokenizer's decode, when it alone is what hf.decode computes: windows of it are exact
+        # (detokenizer.py). A whole-text clean-up after it (clean_up_tokenization_spaces) is not.
+        rust = getattr(self.hf, "_tokenizer", None)
+        self._windowed = rust is not None and not getattr(self.hf, "clean_up_tokenization_spaces", False)
+        self._rust_decode = rust.decode if rust is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self, start: int = 0) -> Detokenizer:
+        """An incremental detokenizer for output tokens from index `start` of the lists it is given."""
+        if self._windowed:
+            decode = self._rust_decode
+
+            def window(ids: list[int]) -> str:
+                return decode(ids, skip_special_tokens=True)
+
+            return Detokenizer(window, start)
+        return Detokenizer(self.decode, start, windowed=False)
 
     def token_text(self, token_id: int) -> str:
         return self.hf.decode([token_id])

@@ -1,0 +1,48 @@
+"""Half-precision serving (--dtype bfloat16 / float16): the engine's log-probabilities stay within the
+error Hugging Face's own model shows in that dtype against its float32 run, on the same prefixes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from serve_support import hf_greedy, hf_model, mixed_prompts
+
+from torchbridge.serve import LLM, SamplingParams
+
+TOP = 20
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_within_hf_own_error(llama_dir: Path, dtype: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    # Prefixes: prompts and the float32 greedy continuations (teacher forcing: both runs see the same ids).
+    prefixes = []
+    for p in mixed_prompts(4, seed=9, lo=5, hi=30):
+        cont = hf_greedy(llama_dir, p, 6)
+        prefixes += [p + cont[:i] for i in (0, 3, 6)]
+    ref32 = hf_model(str(llama_dir))
+    ref16 = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch_dtype).eval()
+    llm = LLM(str(llama_dir), dtype=dtype, block_size=4, num_blocks=128, max_model_len=96)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch_dtype
+    outs = llm.generate(prefixes, SamplingParams(temperature=0, max_tokens=1, logprobs=TOP))
+    hf_err, our_err = [], []
+    for ids, out in zip(prefixes, outs, strict=True):
+        with torch.no_grad():
+            lp32 = torch.log_softmax(ref32(torch.tensor([ids])).logits[0, -1].double(), -1)
+            lp16 = torch.log_softmax(ref16(torch.tensor([ids])).logits[0, -1].double(), -1)
+        ours = dict(out.outputs[0].logprobs[0]["top"])
+        top = lp32.topk(TOP).indices.tolist()
+        # The engine reports its own top tokens; compare on the float32 top tokens both runs report.
+        common = [t for t in top if t in ours]
+        assert len(common) >= TOP - 3
+        hf_err.append(max(abs(float(lp16[t] - lp32[t])) for t in common))
+        our_err.append(max(abs(ours[t] - float(lp32[t])) for t in common))
+    hf_max, ours_max = max(hf_err), max(our_err)
+    hf_mean, ours_mean = sum(hf_err) / len(hf_err), sum(our_err) / len(our_err)
+    assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
+    # Within HF's own error (a factor 2 of slack: accumulation order differs between implementations).
+    assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)
