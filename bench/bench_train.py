@@ -165,13 +165,19 @@ def worker_ranks(out: Path, rounds: int, steps: int) -> None:
     # one step's collectives, as FSDP2 issues them to the device's process group
     calls: list[tuple[str, int, str]] = []
     pg_cls = process_group.DeviceProcessGroup
-    recorded = {"_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter", "allreduce": "all_reduce"}
+    # method -> (kind, the inputs of a call: the shard gathered / the full gradient reduced); the
+    # coalesced variants call the base methods once per tensor, so those are all there is to record
+    recorded = {"_allgather_base": ("all_gather", lambda a: [a[1]]),
+                "_reduce_scatter_base": ("reduce_scatter", lambda a: [a[1]]),
+                "allreduce": ("all_reduce", lambda a: list(a[0]))}
     originals = {name: getattr(pg_cls, name) for name in recorded}
 
     def recorder(name: str):
+        kind, inputs = recorded[name]
+
         def call(self, *args, **kwargs):
-            t = args[1] if name != "allreduce" else args[0][0]  # the input (the shard / the full gradient)
-            calls.append((recorded[name], t.numel(), str(t.dtype).removeprefix("torch.")))
+            for t in inputs(args):
+                calls.append((kind, t.numel(), str(t.dtype).removeprefix("torch.")))
             return originals[name](self, *args, **kwargs)
         return call
 
