@@ -2,9 +2,10 @@
 PyTorch's "Training a Classifier" tutorial, and Hugging Face's Trainer.
 
 Reference: the same code on CPU. The loop takes its device as a string (the tutorial's `device =
-torch.device(...)` line is the only difference). The Trainer picks the accelerator itself, as it picks
-CUDA: transformers asks `torch.accelerator`, which is the device (TrainingArguments' `use_cpu=True` gives
-the CPU run). Same seeds, same data, dropout off. Tolerance: per-step losses within 1e-4 relative
+torch.device(...)` line is the only difference). The Trainer: transformers finds the device itself
+through `torch.accelerator`, as it finds CUDA, and accelerate, which places its batches, is given the
+device string in its documented ACCELERATE_TORCH_DEVICE (TrainingArguments' `use_cpu=True` gives the
+CPU run). Same seeds, same data, dropout off. Tolerance: per-step losses within 1e-4 relative
 (fp32; XLA and PyTorch's CPU kernels reduce in different orders and the optimizer carries the
 difference on; measured ~1e-6), and the loss must fall.
 """
@@ -65,7 +66,7 @@ def train_classifier(device_name: str, epochs: int = 2) -> tuple[list[float], fl
     net = Net()
     net.to(device)
     criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for _epoch in range(epochs):
         for inputs, labels in trainloader:
@@ -130,8 +131,11 @@ def _hf_trainer_run(tmp_path, use_cpu: bool) -> tuple[list[float], str]:
     return losses, str(next(trainer.model.parameters()).device)
 
 
-def test_hugging_face_trainer_on_the_device_matches_cpu(tmp_path):
+def test_hugging_face_trainer_on_the_device_matches_cpu(tmp_path, monkeypatch):
     cpu_losses, cpu_where = _hf_trainer_run(tmp_path, use_cpu=True)
+    # accelerate (which feeds the Trainer its batches) knows CUDA, XPU, NPU... by name and takes any other
+    # device from its documented ACCELERATE_TORCH_DEVICE: the device string, the only change
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", DEV)
     dev_losses, dev_where = _hf_trainer_run(tmp_path, use_cpu=False)
     assert cpu_where == "cpu" and dev_where.startswith(DEV)  # the Trainer chose the device by itself
     assert len(dev_losses) == len(cpu_losses) == 12
