@@ -45,6 +45,10 @@ def register() -> None:
         from torchbridge import distributed
 
         distributed.register()
+        # torch.compile's default backend (Inductor) on the device's graphs -> the bridge's backend
+        from torchbridge.compile import default_backend
+
+        default_backend.install(device_name())
     except Exception as e:  # noqa: BLE001 - keep the engine and router usable without the bridge
         _error = e
         warnings.warn(f"torchbridge: device backend '{device_name()}' did not register: {e}", stacklevel=2)

@@ -17,7 +17,8 @@ from pathlib import Path
 WORKERS = Path(__file__).resolve().parent / "workers"
 # Port bases per test module: torchrun's store takes the base; JAX's coordinator finds a free port itself.
 PORTS = {"collectives": 29810, "training": 29830, "faults": 29850, "checkpoint": 29870, "compiled": 29890,
-         "two_hosts": 29910, "tp_serve": 29930, "bench": 29950, "train": 29970}
+         "two_hosts": 29910, "tp_serve": 29930, "bench": 29950, "train": 29970,
+         "torchtitan": 29990}
 
 
 class JobFailed(AssertionError):

@@ -26,7 +26,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
-from torchbridge.compile import bounded, functionalized, patterns, spmd
+from torchbridge.compile import bounded, flex, functionalized, patterns, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
@@ -91,9 +91,10 @@ class GraphProgram:
                                         if _scatters_into(src, self.placeholders[i]))
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
-        self._constants = {
-            n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"
-        }
+        attrs = {n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"}
+        # FX subgraphs (FlexAttention's score and mask functions) are code, not inputs of the program
+        self._subgraphs = {k: v for k, v in attrs.items() if flex.is_subgraph(v)}
+        self._constants = {k: v for k, v in attrs.items() if k not in self._subgraphs}
         # process groups whose collectives the graph calls: it then runs as one program on all their ranks
         self.groups = _collective_groups(self.nodes)
         self._axes: dict[str, Any] = {}
@@ -296,7 +297,7 @@ class GraphProgram:
             const_vals = dict(zip(self._constants, consts, strict=True))
             for node in self.nodes:
                 if node.op == "get_attr":
-                    env[node] = const_vals[node.target]
+                    env[node] = self._subgraphs.get(node.target, const_vals.get(node.target))
                 elif node in self.absorbed:
                     continue  # computed by the pattern that absorbed it
                 elif node in self.patterns:
@@ -382,6 +383,9 @@ class GraphProgram:
             return args[0][args[1]]
         if target is torch.ops.aten.copy_.default:  # an input mutation: applied after the graph
             return _cast_like(args[1], node.meta.get("val"))
+        if target in flex.HOPS:  # FlexAttention forward/backward, its score and mask subgraphs in `args`
+            compile_counter["flex_attention_lowered"] += 1
+            return _cast_like(flex.run(node, args, _traced), node.meta.get("val"))
         if target in functionalized.HOPS:  # a custom op (torchbridge.kernel) writing its arguments
             return _cast_like(_traced(node, functionalized.run, (node, args[0], kwargs), {}), node.meta.get("val"))
         if not isinstance(target, torch._ops.OpOverload):
@@ -872,7 +876,8 @@ def register(name: str) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    counters = ("recompiles", "donated_calls", "patterns", "collective_graphs", "collectives")
+    counters = ("recompiles", "donated_calls", "patterns", "collective_graphs", "collectives",
+                "routed_from_inductor", "flex_attention_lowered")
     graphs = {k: v for k, v in compile_counter.items() if k not in counters}
     return {"graphs_compiled": sum(graphs.values()), **{k: compile_counter[k] for k in counters}, "by_graph": graphs}
 

@@ -35,6 +35,10 @@ def register() -> None:
     from torchbridge.distributed.process_group import create
 
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", STATE.name])
+    if not hasattr(dist, "set_timeout"):
+        # The public name later PyTorch releases give c10d's `_set_pg_timeout`; code written against them
+        # (TorchTitan 0.3.0 calls it after its first step) finds it on 2.13 too. Only added, never replaced.
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
     STATE.before_backend.append(runtime.on_backend_start)
     compile_spmd.set_planner(spmd.plan)
     _registered = True
