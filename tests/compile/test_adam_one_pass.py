@@ -22,11 +22,7 @@ from torchbridge.device.lowerings import registry
 DEV = torchbridge.device_name()
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model() -> nn.Module:

@@ -18,11 +18,7 @@ from torchbridge.compile import backend as compile_backend
 DEV = torchbridge.device_name()
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class DLRM(nn.Module):

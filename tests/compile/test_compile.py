@@ -19,11 +19,7 @@ def _pair(module: nn.Module) -> tuple[nn.Module, nn.Module]:
     return module, copy.deepcopy(module).to(DEV)
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_mlp_forward_backward_matches_cpu():

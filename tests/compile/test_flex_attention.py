@@ -18,17 +18,11 @@ from torchbridge.compile import backend as compile_backend
 from torchbridge.compile import default_backend
 
 DEV = torchbridge.device_name()
-pytestmark = pytest.mark.skipif(torchbridge.registration_error() is not None,
-                                reason=f"device backend unavailable: {torchbridge.registration_error()}")
+pytestmark = [pytest.mark.skipif(torchbridge.registration_error() is not None,
+                                 reason=f"device backend unavailable: {torchbridge.registration_error()}"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 B, HQ, HKV, L, E = 2, 4, 2, 40, 8
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _documents(device: str) -> torch.Tensor:

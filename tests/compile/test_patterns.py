@@ -12,11 +12,7 @@ from torchbridge.compile import backend as compile_backend
 DEV = torchbridge.device_name()
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _logits_grad(loss_fn, x: torch.Tensor, *args: torch.Tensor | None, device: str) -> torch.Tensor:
