@@ -136,8 +136,7 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
     import tiny_llama
 
     # ~20M parameters: the shape bench_compile.py's model has, with a TorchTitan-style block
-    tiny_llama.DIM, tiny_llama.LAYERS, tiny_llama.HEADS, tiny_llama.KV_HEADS = 384, 6, 6, 2
-    tiny_llama.VOCAB, tiny_llama.FFN = 8192, 1024
+    tiny_llama.use_bench_shape()
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
@@ -157,7 +156,7 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
         g = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, tiny_llama.VOCAB, (4, 129), generator=g)
         setups[arm] = (model, opt, tokens[:, :-1].to(d), tokens[:, 1:].to(d), d)
-    params = sum(p.numel() for p in setups["bridge"][0].parameters()) * world
+    params = sum(p.numel() for p in setups["bridge"][0].parameters())  # a DTensor counts its whole tensor
 
     def step(arm: str) -> float:
         model, opt, x, y, d = setups[arm]

@@ -135,8 +135,7 @@ def worker_ranks(out: Path, rounds: int, steps: int) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "distributed" / "workers"))
     import tiny_llama
 
-    tiny_llama.DIM, tiny_llama.LAYERS, tiny_llama.HEADS, tiny_llama.KV_HEADS = 384, 6, 6, 2
-    tiny_llama.VOCAB, tiny_llama.FFN = 8192, 1024
+    tiny_llama.use_bench_shape()
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))

@@ -11,6 +11,12 @@ import torch.nn.functional as F
 DIM, LAYERS, HEADS, KV_HEADS, VOCAB, FFN = 64, 2, 4, 2, 128, 128
 
 
+def use_bench_shape() -> None:
+    """The benches' size (bench_compile.py's model, ~20-30M parameters) instead of the tests' tiny one."""
+    global DIM, LAYERS, HEADS, KV_HEADS, VOCAB, FFN
+    DIM, LAYERS, HEADS, KV_HEADS, VOCAB, FFN = 384, 6, 6, 2, 8192, 1024
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     a, b = x[..., ::2], x[..., 1::2]
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
