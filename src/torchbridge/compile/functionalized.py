@@ -10,7 +10,6 @@ values, and those are written back into the bases.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
@@ -53,16 +52,6 @@ def run(node: torch.fx.Node, op: torch._ops.OpOverload, kwargs: dict[str, Any]) 
             if i is not None:
                 bases[i.base_index] = _write(i, bases[i.base_index], value)
     return (*outs, *bases)
-
-
-def writes_into(src: Any, placeholder: torch.fx.Node) -> bool:
-    """`src` is a new base an auto_functionalized_v2 node computed for `placeholder` (a kernel that
-    writes part of an input, a KV cache): the graph may donate the input's old buffer."""
-    if not (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is operator.getitem):
-        return False
-    hop = src.args[0]
-    return (isinstance(hop, torch.fx.Node) and hop.target is torch.ops.higher_order.auto_functionalized_v2
-            and placeholder in hop.kwargs.get("_all_bases", ()))
 
 
 def _call(lowering: registry.Lowering, op: torch._ops.OpOverload, kwargs: dict) -> tuple[tuple, dict]:

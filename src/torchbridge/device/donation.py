@@ -8,6 +8,7 @@ dispatch (`dispatch._Program.call`) and compiled graphs (`compile.backend`) both
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -37,12 +38,35 @@ def _holds(results: Any, buf: Any) -> bool:
 
 
 def donating_jit(raw: Any, positions: tuple[int, ...]) -> Any:
-    """`raw(bufs, *rest)` jitted to take the buffers at `positions` as its first argument, donated, and
-    the other buffers (in order) as its second: `fn(donated, others, *rest)`."""
-    chosen = set(positions)
+    """`raw(bufs, *rest)` jitted to take the buffers at `positions` as its first argument, donated (in
+    the order of `positions`), and the other buffers (in order) as its second: `fn(donated, others, *rest)`.
+
+    JAX gives each output the first unused donated input of its shape and dtype, in order: list the
+    donated buffers in the order their new values come out, or XLA pairs a buffer with another one's
+    result (all of an optimizer's same-shaped arrays) and copies both to keep the old values."""
+    where = {k: n for n, k in enumerate(positions)}
 
     def split(donated: tuple, others: tuple, *rest: Any) -> Any:
-        di, oi = iter(donated), iter(others)
-        return raw(tuple(next(di) if k in chosen else next(oi) for k in range(len(donated) + len(others))), *rest)
+        oi = iter(others)
+        return raw(tuple(donated[where[k]] if k in where else next(oi)
+                         for k in range(len(donated) + len(others))), *rest)
 
     return jax.jit(split, donate_argnums=(0,), keep_unused=True)
+
+
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+               "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def copied_bytes(hlo_text: str) -> int:
+    """Bytes the optimised HLO `copy` instructions move: what XLA added to keep a donated buffer's old
+    value alive while its new value is written over it (one fusion recomputing another's output from
+    the old value: RMSprop's parameter update re-deriving the new square average)."""
+    total = 0
+    for dtype, dims in _COPY.findall(hlo_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEM_BYTES.get(dtype, 4)
+    return total
