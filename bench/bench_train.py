@@ -164,10 +164,11 @@ def worker_ranks(out: Path, rounds: int, steps: int) -> None:
     # one step's collectives, as FSDP2 issues them to the device's process group
     calls: list[tuple[str, int, str]] = []
     pg_cls = process_group.DeviceProcessGroup
-    # method -> (kind, the inputs of a call: the shard gathered / the full gradient reduced); the
-    # coalesced variants call the base methods once per tensor, so those are all there is to record
-    recorded = {"_allgather_base": ("all_gather", lambda a: [a[1]]),
-                "_reduce_scatter_base": ("reduce_scatter", lambda a: [a[1]]),
+    # method -> (kind, the inputs of a call: the shard gathered / the full gradient reduced). FSDP2 in
+    # torch 2.13 calls the group's all_gather_single / reduce_scatter_single, which do not come back
+    # through the Python `_allgather_base` / `_reduce_scatter_base` (recording those saw 0 per step)
+    recorded = {"all_gather_single": ("all_gather", lambda a: [a[1]]),
+                "reduce_scatter_single": ("reduce_scatter", lambda a: [a[1]]),
                 "allreduce": ("all_reduce", lambda a: list(a[0]))}
     originals = {name: getattr(pg_cls, name) for name in recorded}
 
@@ -185,6 +186,9 @@ def worker_ranks(out: Path, rounds: int, steps: int) -> None:
     step()
     for name, fn in originals.items():
         setattr(pg_cls, name, fn)
+    if world > 1 and not calls:
+        raise RuntimeError("bench_train ranks: no collective recorded in an FSDP2 step (which c10d method does "
+                           "FSDP2 call in this torch?)")
     times = []
     for _ in range(rounds):
         dist.barrier()
@@ -197,8 +201,8 @@ def worker_ranks(out: Path, rounds: int, steps: int) -> None:
     for kind, numel, dtype in sorted(set(calls)):
         inp = torch.ones(numel, dtype=getattr(torch, dtype), device=dev)
         outp = torch.empty(numel * world if kind == "all_gather" else max(1, numel // world), dtype=inp.dtype, device=dev)
-        fn = {"all_gather": lambda o=outp, i=inp: dist.all_gather_into_tensor(o, i),
-              "reduce_scatter": lambda o=outp, i=inp: dist.reduce_scatter_tensor(o, i),
+        fn = {"all_gather": lambda o=outp, i=inp: dist.all_gather_single(o, i),
+              "reduce_scatter": lambda o=outp, i=inp: dist.reduce_scatter_single(o, i),
               "all_reduce": lambda i=inp: dist.all_reduce(i)}[kind]
         fn()
         torch.tpu.synchronize()
@@ -239,10 +243,14 @@ def collective_share(r: dict) -> tuple[float, float]:
 
 # ---- scaling model -------------------------------------------------------------------------------
 def fit_alpha_beta(ranks: dict[int, dict]) -> tuple[float, float] | None:
-    """Least squares of t = alpha x (n - 1) + bytes x (n - 1) / n / beta over every replayed collective."""
+    """Least squares of t = alpha x (n - 1) + bytes x (n - 1) / n / beta, alpha >= 0 and beta > 0, over the
+    replayed collectives of the rank counts that have a core each (with more ranks than cores the
+    replay times the sharing of cores, and an unconstrained fit over them gave a negative alpha)."""
     rows, ys = [], []
+    cores = len(os.sched_getaffinity(0))
+    usable = [n for n in ranks if 2 <= n <= cores] or [n for n in ranks if n >= 2]
     for n, r in ranks.items():
-        if n < 2:
+        if n not in usable:
             continue
         for key, t in r["replay"].items():
             kind, numel, dtype = key.split("/")
@@ -263,6 +271,10 @@ def fit_alpha_beta(ranks: dict[int, dict]) -> tuple[float, float] | None:
         return None
     alpha = (tx * syy - ty * sxy) / det
     inv_beta = (sxx * ty - sxy * tx) / det
+    if alpha < 0:  # the constrained optimum lies on alpha = 0
+        alpha, inv_beta = 0.0, ty / syy
+    elif inv_beta <= 0:  # ... or on 1 / beta = 0
+        alpha, inv_beta = tx / sxx, 0.0
     return alpha, (1 / inv_beta if inv_beta > 0 else math.inf)
 
 
