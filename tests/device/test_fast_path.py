@@ -211,6 +211,23 @@ def test_large_storage_sharing_a_buffer_is_not_donated():
     torch.testing.assert_close(a.cpu(), ref)
 
 
+def test_write_into_a_byte_storage_of_another_dtype_is_correct_and_not_donated():
+    """FSDP2 all-gathers into a uint8 storage viewed as float32: the written buffer comes out as float32
+    and cannot take the old byte buffer's place, so the program must not ask JAX to donate it (JAX
+    warned "Some donated buffers were not usable" at every such write)."""
+    import warnings
+
+    src = torch.randn(512, 1024)
+    raw = torch.zeros(512 * 1024 * 4, dtype=torch.uint8, device=DEV)  # 2 MiB
+    view = raw.view(torch.float32).view(512, 1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            view.add_(src.to(DEV))
+    torch.testing.assert_close(view.cpu(), src * 3)
+    torch.testing.assert_close(raw.cpu(), (src * 3).view(torch.uint8).flatten())
+
+
 def test_result_still_pending_when_its_input_is_overwritten():
     x = torch.randn(1024, 512).to(DEV)
     ref_x = x.cpu()

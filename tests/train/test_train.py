@@ -140,15 +140,24 @@ def test_tensor_parallel_and_2d_match_one_rank(cpu_run, prepared, tmp_path, npro
 
 @needs_device
 @pytest.mark.skipif(not SLOW, reason="compiled and mixed-precision jobs take minutes: TB_SLOW=1")
-def test_compiled_checkpointed_and_bf16_jobs_train(cpu_run, prepared, tmp_path):
-    """Compiled (the device's backend) with activation checkpointing: the curve of eager fp32 within 1e-3
+@pytest.mark.parametrize("kind", ["compiled", "checkpointed", "bf16"])
+def test_compiled_checkpointed_and_bf16_jobs_train(cpu_run, prepared, tmp_path, kind):
+    """Compiled (the device's backend), activation checkpointing: the curve of eager fp32 within 1e-3
     (compiled graphs round differently); bf16: within 3% (bf16 products), and it still trains."""
     device = torchbridge.device_name()
     ref = cpu_run[1]["losses"]
-    compiled = run_here(with_data(tmp_path / "compiled", prepared), **{
-        "job.device": device, "training.compile": True, "training.activation_checkpointing": True})
-    _assert_same_curve(compiled["losses"], ref, rtol=1e-3)
-    bf16 = run_here(with_data(tmp_path / "bf16", prepared), **{"job.device": device,
-                                                              "training.mixed_precision": "bfloat16"})
-    _assert_same_curve(bf16["losses"], ref, rtol=3e-2)
-    assert bf16["losses"][20] < bf16["losses"][1] - 0.5
+    sets = {"compiled": {"training.compile": True}, "checkpointed": {"training.activation_checkpointing": True},
+            "bf16": {"training.mixed_precision": "bfloat16"}}[kind]
+    run = run_here(with_data(tmp_path / kind, prepared), **{"job.device": device, **sets})
+    _assert_same_curve(run["losses"], ref, rtol=3e-2 if kind == "bf16" else 1e-3)
+    assert run["losses"][20] < run["losses"][1] - 0.5
+
+
+@pytest.mark.skipif(not SLOW, reason="a compiled job takes minutes: TB_SLOW=1")
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
+    "compile + activation checkpointing: AOTAutograd wraps the SDPA op (tagged nondeterministic_seeded) in "
+    "run_and_save_rng_state / run_with_rng_state, which the device's compile backend does not lower yet"))
+def test_compiled_and_checkpointed_job_trains(cpu_run, prepared, tmp_path):
+    run = run_here(with_data(tmp_path / "compiled-ac", prepared), **{
+        "job.device": torchbridge.device_name(), "training.compile": True, "training.activation_checkpointing": True})
+    _assert_same_curve(run["losses"], cpu_run[1]["losses"], rtol=1e-3)

@@ -199,12 +199,15 @@ class GraphProgram:
                 results[i] = _reinterpret(base, shape, stride, base.storage_offset() + rel)
         return results
 
-    def _donatable(self, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
+    def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
         """Buffer positions to donate: large storages this graph writes (but Adam's), held by nothing
         but the table (and `bufs`), each passed once."""
-        # in the order the new values come out (donation.donating_jit)
+        # in the order the new values come out (donation.donating_jit); a buffer of another dtype than
+        # its tensor (a byte storage FSDP2 all-gathers into, written as float32) cannot take the new
+        # value, which comes out in the tensor's dtype
         picks = [slot[i] for i in self.writes
-                 if i in self.donated_writes and i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES]
+                 if i in self.donated_writes and i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
+                 and bufs[slot[i]].dtype == dtypes.to_jax(args[i].dtype)]
         if not picks:
             return ()
         ids = [id(b) for b in bufs]
@@ -221,7 +224,7 @@ class GraphProgram:
         parameters 34 -> 23 ms) unless XLA answers the donation with copies (`_Executable.donating`);
         Adam's arrays never are (its one-pass custom call writes fresh buffers)."""
         slot = _device_slots(args)
-        donate = self._donatable(bufs, slot, dev) if plan is None else ()
+        donate = self._donatable(args, bufs, slot, dev) if plan is None else ()
         run = None
         if donate:
             donated = tuple(bufs[k] for k in donate)
@@ -396,7 +399,7 @@ class GraphProgram:
         if target in functionalized.HOPS:  # a custom op (torchbridge.kernel) writing its arguments
             return _cast_like(_traced(node, functionalized.run, (node, args[0], kwargs), {}), node.meta.get("val"))
         if not isinstance(target, torch._ops.OpOverload):
-            raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target}")
+            raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target} in {node.format_node()}")
         lowering = registry.find(target)
         if lowering is None:
             raise NotImplementedError(

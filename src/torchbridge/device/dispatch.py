@@ -226,12 +226,19 @@ class _Program:
         """Run the program. A large storage it writes whose buffer nothing else holds is donated, so
         XLA updates it in place: a KV-cache write into a 32 MB pool then costs the rows written, not a
         copy of the pool (the table keeps the only reference, and the old buffer is replaced anyway)."""
-        if self.writes and any(bufs[s].nbytes >= donation.DONATE_BYTES for s in self.writes) and len(
-                donation.sole_holders(bufs, self.writes, dev_index)) == len(self.writes):
+        donate = (self.writes and self._donating is not False
+                  and any(bufs[s].nbytes >= donation.DONATE_BYTES for s in self.writes)
+                  and len(donation.sole_holders(bufs, self.writes, dev_index)) == len(self.writes))
+        if donate and self._donating is None:
+            # a write whose new buffer has another dtype or length than the old one (a float32 copy into
+            # FSDP2's byte buffer) cannot reuse it: JAX would warn and copy, so this program never donates
+            updated, _ = self.out_avals(tuple(bufs), scalars, hosts, host_scalars, rng)
+            fits = all(u.shape == bufs[s].shape and u.dtype == bufs[s].dtype
+                       for u, s in zip(updated, self.writes, strict=True))
+            self._donating = donation.donating_jit(self.raw, tuple(self.writes)) if fits else False
+        if donate and self._donating:
             global donated_writes
             donated_writes += 1
-            if self._donating is None:
-                self._donating = donation.donating_jit(self.raw, tuple(self.writes))
             return self._donating(tuple(bufs[s] for s in self.writes),
                                   tuple(b for i, b in enumerate(bufs) if i not in self.writes),
                                   scalars, hosts, host_scalars, rng)

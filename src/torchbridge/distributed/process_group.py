@@ -78,7 +78,9 @@ class DeviceProcessGroup(dist.ProcessGroup):
 
         runtime.start(store, rank, size, timeout)  # the first group is the world: JAX's runtime starts here
         global _world_devices
-        if _world_devices is None:  # the first group created is the world (init_process_group)
+        # the group init_process_group creates (no default group exists yet) is the world: a process
+        # may destroy its world and start another one (two in-process training runs)
+        if _world_devices is None or not dist.is_initialized():
             _world_devices = self._devices = GroupDevices(store, rank, size)
         else:
             self._devices = GroupDevices(store, rank, size, _world_devices, dist.get_rank())
