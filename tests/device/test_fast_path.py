@@ -222,7 +222,7 @@ def test_write_into_a_byte_storage_of_another_dtype_is_correct_and_not_donated()
     view = raw.view(torch.float32).view(512, 1024)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for step in range(3):
+        for _ in range(3):
             view.add_(src.to(DEV))
     torch.testing.assert_close(view.cpu(), src * 3)
     torch.testing.assert_close(raw.cpu(), (src * 3).view(torch.uint8).flatten())

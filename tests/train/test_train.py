@@ -154,10 +154,9 @@ def test_compiled_checkpointed_and_bf16_jobs_train(cpu_run, prepared, tmp_path, 
 
 
 @pytest.mark.skipif(not SLOW, reason="a compiled job takes minutes: TB_SLOW=1")
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "compile + activation checkpointing: AOTAutograd wraps the SDPA op (tagged nondeterministic_seeded) in "
-    "run_and_save_rng_state / run_with_rng_state, which the device's compile backend does not lower yet"))
 def test_compiled_and_checkpointed_job_trains(cpu_run, prepared, tmp_path):
+    """AOTAutograd wraps the checkpointed layers' SDPA (tagged nondeterministic_seeded) in
+    run_and_save_rng_state / run_with_rng_state: lowered by the backend (compile/rng_state.py)."""
     run = run_here(with_data(tmp_path / "compiled-ac", prepared), **{
         "job.device": torchbridge.device_name(), "training.compile": True, "training.activation_checkpointing": True})
     _assert_same_curve(run["losses"], cpu_run[1]["losses"], rtol=1e-3)

@@ -26,7 +26,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
-from torchbridge.compile import bounded, flex, functionalized, patterns, spmd
+from torchbridge.compile import bounded, flex, functionalized, patterns, rng_state, spmd
 from torchbridge.device import donation, dtypes, host_calls, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
@@ -398,8 +398,19 @@ class GraphProgram:
             return _cast_like(flex.run(node, args, _traced), node.meta.get("val"))
         if target in functionalized.HOPS:  # a custom op (torchbridge.kernel) writing its arguments
             return _cast_like(_traced(node, functionalized.run, (node, args[0], kwargs), {}), node.meta.get("val"))
+        val = node.meta.get("val")
+        if target is rng_state.RUN_AND_SAVE:  # a random op in a checkpointed region: run it, keep its state
+            val = rng_state.result_meta(node, 1)
+            return rng_state.pack(key, node), self._run_op(node, args[0], args[1:], kwargs, val, key, lens)
+        if target is rng_state.RUN_WITH:  # ... and its recomputation from that state
+            val = rng_state.result_meta(node, 2)
+            return self._run_op(node, args[1], args[2:], kwargs, val, rng_state.unpack(args[0]), lens)
         if not isinstance(target, torch._ops.OpOverload):
             raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target} in {node.format_node()}")
+        return self._run_op(node, target, args, kwargs, val, key, lens)
+
+    def _run_op(self, node: torch.fx.Node, target: Any, args: tuple, kwargs: dict, val: Any, key: Any,
+                lens: dict | None) -> Any:
         lowering = registry.find(target)
         if lowering is None:
             raise NotImplementedError(
@@ -408,8 +419,8 @@ class GraphProgram:
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         if lens is not None and target in bounded.MASKED:  # an op that would read the padding
             args, kwargs = bounded.MASKED[target][0](node, args, kwargs, lens)
-        res = _traced(node, lowering.fn, args, kwargs, key, self._axes)
-        return _cast_like(res[0] if lowering.mutates else res, node.meta.get("val"))
+        res = _traced(node, lowering.fn, args, kwargs, key, self._axes, val)
+        return _cast_like(res[0] if lowering.mutates else res, val)
 
 
 def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
@@ -426,9 +437,10 @@ def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
                                   gscale=s["gscale"])
 
 
-def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None) -> Any:
-    """fn(*args, **kwargs) traced with `node`'s output shapes and dtypes (what lowerings may ask)."""
-    leaves = _tensor_leaves(node.meta.get("val"))
+def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None,
+            val: Any = None) -> Any:
+    """fn(*args, **kwargs) traced with `node`'s output shapes and dtypes, or `val`'s (what lowerings may ask)."""
+    leaves = _tensor_leaves(node.meta.get("val") if val is None else val)
     ctx = registry.TraceContext(
         out_shapes=[_shape(t) for t in leaves], out_dtypes=[dtypes.to_jax(t.dtype) for t in leaves], rng=key,
         axes=axes or {},
@@ -666,9 +678,12 @@ def _collective_groups(nodes: list[torch.fx.Node]) -> tuple[str, ...]:
 
 
 def _is_random(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return False
-    lowering = registry.find(node.target)
+    target = node.args[0] if node.target is rng_state.RUN_AND_SAVE else node.target  # the op it wraps
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    lowering = registry.find(target)
     return bool(lowering and lowering.random)
 
 
