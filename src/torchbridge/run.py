@@ -24,10 +24,12 @@ def _demo(url: str, model_timeout: float) -> None:
         time.sleep(1)
     else:
         return
-    prompt = "def fibonacci(n):\n"
+    # a tiny model left greedy repeats itself; vLLM's repetition_penalty keeps the demo readable
+    prompt = "import os\n\n\ndef "
     try:
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-        body = {"model": models[0]["id"], "prompt": prompt, "max_tokens": 48, "temperature": 0}
+        body = {"model": models[0]["id"], "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                "repetition_penalty": 1.3}
         text = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         print(f"demo request failed: {e}", flush=True)
