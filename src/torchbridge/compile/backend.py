@@ -87,9 +87,10 @@ class GraphProgram:
         compile_counter["patterns"] += len(self.adam)
         # writes whose old buffers may be donated (XLA then updates them in place: a KV cache's few new
         # rows, an Adagrad or SGD-momentum step's parameters and state): every write but Adam's, whose
-        # one-pass custom call writes fresh buffers that XLA would copy into the donated ones
+        # one-pass custom call writes fresh buffers that XLA would copy into the donated ones; in the
+        # order the new values come out (donation.donating_jit)
         adam_slots = {i for a in self.adam for i in (a.param, a.exp_avg, a.exp_avg_sq)}
-        self.donated_writes = frozenset(i for i in self.writes if i not in adam_slots)
+        self.donated_writes = tuple(i for i in self.writes if i not in adam_slots)
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         attrs = {n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"}
@@ -202,11 +203,10 @@ class GraphProgram:
     def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
         """Buffer positions to donate: large storages this graph writes (but Adam's), held by nothing
         but the table (and `bufs`), each passed once."""
-        # in the order the new values come out (donation.donating_jit); a buffer of another dtype than
-        # its tensor (a byte storage FSDP2 all-gathers into, written as float32) cannot take the new
-        # value, which comes out in the tensor's dtype
-        picks = [slot[i] for i in self.writes
-                 if i in self.donated_writes and i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
+        # a buffer of another dtype than its tensor (a byte storage FSDP2 all-gathers into, written as
+        # float32) cannot take the new value, which comes out in the tensor's dtype
+        picks = [slot[i] for i in self.donated_writes
+                 if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
                  and bufs[slot[i]].dtype == dtypes.to_jax(args[i].dtype)]
         if not picks:
             return ()
@@ -398,16 +398,15 @@ class GraphProgram:
             return _cast_like(flex.run(node, args, _traced), node.meta.get("val"))
         if target in functionalized.HOPS:  # a custom op (torchbridge.kernel) writing its arguments
             return _cast_like(_traced(node, functionalized.run, (node, args[0], kwargs), {}), node.meta.get("val"))
-        val = node.meta.get("val")
         if target is rng_state.RUN_AND_SAVE:  # a random op in a checkpointed region: run it, keep its state
-            val = rng_state.result_meta(node, 1)
-            return rng_state.pack(key, node), self._run_op(node, args[0], args[1:], kwargs, val, key, lens)
+            res = self._run_op(node, args[0], args[1:], kwargs, rng_state.result_meta(node, 1), key, lens)
+            return rng_state.pack(key, node), res
         if target is rng_state.RUN_WITH:  # ... and its recomputation from that state
-            val = rng_state.result_meta(node, 2)
-            return self._run_op(node, args[1], args[2:], kwargs, val, rng_state.unpack(args[0]), lens)
+            return self._run_op(node, args[1], args[2:], kwargs, rng_state.result_meta(node, 2),
+                                rng_state.unpack(args[0]), lens)
         if not isinstance(target, torch._ops.OpOverload):
             raise NotImplementedError(f"torchbridge.compile: unsupported graph call {target} in {node.format_node()}")
-        return self._run_op(node, target, args, kwargs, val, key, lens)
+        return self._run_op(node, target, args, kwargs, node.meta.get("val"), key, lens)
 
     def _run_op(self, node: torch.fx.Node, target: Any, args: tuple, kwargs: dict, val: Any, key: Any,
                 lens: dict | None) -> Any:
