@@ -1,5 +1,5 @@
-"""Compiled optimizer steps that rewrite whole parameters and state (Adagrad, SGD with momentum,
-RMSprop) donate the old buffers when XLA can write over them without copies, checked against CPU
+"""Compiled optimizer steps that rewrite whole parameters and state (Adam/AdamW, Adagrad, SGD with
+momentum, RMSprop) donate the old buffers when XLA can write over them without copies, checked against CPU
 torch.optim (the independent reference) over several steps, and the donation decision read from
 what XLA compiled (donation.copied_bytes of its optimised HLO)."""
 
@@ -26,6 +26,10 @@ OPTIMIZERS = {
     # update (RMSprop), and XLA answers donation with copies: run with fresh buffers, still correct
     "sgd-nesterov": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, **kw),
     "rmsprop": lambda ps, **kw: torch.optim.RMSprop(ps, lr=1e-3, **kw),
+    # one-pass custom call (host_calls.adam_update) writing over its operands: AdamW's decay and
+    # Adam's L2 weight decay take different branches of it
+    "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "adam-l2": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, **kw),
 }
 
 
@@ -61,8 +65,42 @@ def _run(name: str, steps: int = 5) -> int:
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_compiled_step_matches_cpu(name: str) -> None:
     donated = _run(name)
-    if name in ("adagrad", "sgd-momentum"):
+    if name in ("adagrad", "sgd-momentum", "adamw", "adam-l2"):
         assert donated == 4  # written over in place: what the DLRM bench's Adagrad needs
+
+
+def test_adam_in_place_program_copies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The donating Adam program: the custom call aliases its results to the donated arrays, and XLA
+    adds no copy to keep an old value (a relayout or an alias it may not honour would show as one)."""
+    from torchbridge.compile import backend
+
+    texts: list[str] = []
+    real_jit = donation.donating_jit
+
+    def recording_jit(raw, positions):
+        jitted = real_jit(raw, positions)
+
+        class Recording:
+            def lower(self, *args):
+                lowered = jitted.lower(*args)
+
+                class Compiling:
+                    def compile(self):
+                        compiled = lowered.compile()
+                        texts.append(compiled.as_text())
+                        return compiled
+
+                return Compiling()
+
+        return Recording()
+
+    monkeypatch.setattr(donation, "donating_jit", recording_jit)
+    assert backend.donation is donation
+    assert _run("adamw") == 4
+    # the program of the steady steps, the last compiled (at the first step a new state's zeros are
+    # one shared buffer, so not all of it is donated)
+    assert "torchbridge_adam_step" in texts[-1] and "output_to_operand_aliasing" in texts[-1]
+    assert donation.copied_bytes(texts[-1]) == 0
 
 
 def test_donation_answered_with_copies_runs_the_fresh_buffer_program(monkeypatch: pytest.MonkeyPatch) -> None:

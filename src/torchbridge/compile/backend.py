@@ -36,6 +36,8 @@ compile_counter: Counter[str] = Counter()
 # The values of the graph's size symbols while one of its programs is traced (bounded graphs: the
 # padded sizes; None: the sizes Dynamo traced with). Read by _shape.
 _BINDINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bindings", default=None)
+# the graph inputs (placeholder indices) the program being traced donates (_Executable.donating)
+_DONATED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("donated", default=frozenset())
 
 
 def _shape(val: torch.Tensor) -> tuple[int, ...]:
@@ -86,11 +88,9 @@ class GraphProgram:
         self.adam = patterns.find_adam_writes(self.placeholders, self._written)
         compile_counter["patterns"] += len(self.adam)
         # writes whose old buffers may be donated (XLA then updates them in place: a KV cache's few new
-        # rows, an Adagrad or SGD-momentum step's parameters and state): every write but Adam's, whose
-        # one-pass custom call writes fresh buffers that XLA would copy into the donated ones; in the
-        # order the new values come out (donation.donating_jit)
-        adam_slots = {i for a in self.adam for i in (a.param, a.exp_avg, a.exp_avg_sq)}
-        self.donated_writes = tuple(i for i in self.writes if i not in adam_slots)
+        # rows, an optimizer step's parameters and state; Adam's one-pass custom call then aliases its
+        # results to its operands), in the order the new values come out (donation.donating_jit)
+        self.donated_writes = tuple(self.writes)
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         attrs = {n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"}
@@ -201,7 +201,7 @@ class GraphProgram:
         return results
 
     def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
-        """Buffer positions to donate: large storages this graph writes (but Adam's), held by nothing
+        """Buffer positions to donate: large storages this graph writes, held by nothing
         but the table (and `bufs`), each passed once."""
         # a buffer of another dtype than its tensor (a byte storage FSDP2 all-gathers into, written as
         # float32) cannot take the new value, which comes out in the tensor's dtype
@@ -221,8 +221,7 @@ class GraphProgram:
         the new values come out of this one executable and go straight into the buffer table,
         instead of one eager `copy_` per tensor afterwards. Large written buffers nothing else holds
         are donated (XLA then writes over them instead of into fresh memory: an Adagrad step of 25M
-        parameters 34 -> 23 ms) unless XLA answers the donation with copies (`_Executable.donating`);
-        Adam's arrays never are (its one-pass custom call writes fresh buffers)."""
+        parameters 34 -> 23 ms) unless XLA answers the donation with copies (`_Executable.donating`)."""
         slot = _device_slots(args)
         donate = self._donatable(args, bufs, slot, dev) if plan is None else ()
         run = None
@@ -230,7 +229,11 @@ class GraphProgram:
             donated = tuple(bufs[k] for k in donate)
             others = tuple(b for k, b in enumerate(bufs) if k not in donate)
             call = (donated, others, tuple(hosts), tuple(consts), rng)
-            run = fn.donating(donate, call)
+            token = _DONATED.set(frozenset(i for i, k in slot.items() if k in donate))
+            try:
+                run = fn.donating(donate, call)
+            finally:
+                _DONATED.reset(token)
         if run is not None:
             compile_counter["donated_calls"] += 1
             bufs.clear()
@@ -328,8 +331,10 @@ class GraphProgram:
             if not self.writes:
                 return tuple(outs)
             written = {i: env[self._written[i]] for i in self.writes}
+            donated = _DONATED.get()
             for a in self.adam:
-                written[a.param], written[a.exp_avg], written[a.exp_avg_sq] = _adam_update(a, env)
+                in_place = all(i in donated for i in (a.param, a.exp_avg, a.exp_avg_sq))
+                written[a.param], written[a.exp_avg], written[a.exp_avg_sq] = _adam_update(a, env, in_place)
             new_dev, new_host = [], []
             for i in self.writes:
                 node, d = self.placeholders[i], descs[i]
@@ -422,8 +427,9 @@ class GraphProgram:
         return _cast_like(res[0] if lowering.mutates else res, val)
 
 
-def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
-    """(p', m', v') of one matched Adam/AdamW update, in one pass over the arrays."""
+def _adam_update(a: patterns.AdamWrite, env: dict, in_place: bool) -> tuple[Any, Any, Any]:
+    """(p', m', v') of one matched Adam/AdamW update, in one pass over the arrays (over the old ones
+    where the program donates them: `in_place`)."""
     def scalar(pair: tuple) -> Any:
         x, i = pair
         x = env[x] if isinstance(x, torch.fx.Node) else x
@@ -433,7 +439,7 @@ def _adam_update(a: patterns.AdamWrite, env: dict) -> tuple[Any, Any, Any]:
     p, g, m, v = (env[a.nodes[k]] for k in ("p", "g", "m", "v"))
     return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=s["l2"], w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
                                   step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"],
-                                  gscale=s["gscale"])
+                                  gscale=s["gscale"], in_place=in_place)
 
 
 def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None,

@@ -24,17 +24,23 @@ def sole_holders(bufs: list, positions: Any, dev_index: int) -> list[int]:
     The device's completion marker (what synchronize() waits on) is dropped first if it holds one of
     them: newer results replace it anyway. Callers must not keep other references (loop variables)."""
     last = STATE.last_results.get(dev_index)
-    if last is not None and any(_holds(last, bufs[k]) for k in positions):
-        STATE.last_results[dev_index] = None
+    if last is not None:
+        held = set()
+        _ids(last, held)
+        if any(id(bufs[k]) in held for k in positions):
+            STATE.last_results[dev_index] = None
     last = None
     # references: the table, `bufs`, getrefcount's argument
     return [k for k in positions if sys.getrefcount(bufs[k]) <= 3]
 
 
-def _holds(results: Any, buf: Any) -> bool:
+def _ids(results: Any, into: set) -> None:
+    """The ids of the arrays in a nest of tuples and lists (one pass, not one per position)."""
     if isinstance(results, (tuple, list)):
-        return any(_holds(r, buf) for r in results)
-    return results is buf
+        for r in results:
+            _ids(r, into)
+    else:
+        into.add(id(results))
 
 
 def donating_jit(raw: Any, positions: tuple[int, ...]) -> Any:

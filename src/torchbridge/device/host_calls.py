@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import statistics
 import threading
 import time
 from typing import Any, NamedTuple
@@ -132,17 +131,21 @@ def _measure_gemm() -> dict[str, Any]:
     out = jax.ShapeDtypeStruct((m, n), jnp.float32)
     arms = {"xla_ms": jax.jit(lambda x, y: jnp.matmul(x, y)),
             "torch_ms": jax.jit(lambda x, y: jax.ffi.ffi_call(_TARGET, out)(x, y, trans_a=False, trans_b=False))}
-    res = {}
-    # XLA's dot first and each arm on its own: right after a torch GEMM, libgomp's worker threads
-    # spin for a while and a 2-core machine's XLA dot took twice its time in about half the processes
-    for name in ("xla_ms", "torch_ms"):
-        times = []
-        for i in range(12):
-            t = time.perf_counter()
-            arms[name](a, b).block_until_ready()
-            if i >= 3:  # the first calls compile and warm up
-                times.append(time.perf_counter() - t)
-        res[name] = statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    # each arm in blocks of its own, a pause between them, and the best time of three blocks: right
+    # after a torch GEMM (or any OpenMP work of the process, a model's initialisation) libgomp's worker
+    # threads spin for a while, and an XLA dot measured then took up to twice its time; with one
+    # median per arm the choice flipped between processes of the same training script, whose step
+    # was 0.90-0.96x Inductor's with torch's GEMM forced and 1.00-1.10x with XLA's on this machine
+    for block in range(3):
+        for name, fn in arms.items():
+            for i in range(6):
+                t = time.perf_counter()
+                fn(a, b).block_until_ready()
+                if block or i >= 2:  # the first calls compile and warm up
+                    times[name].append(time.perf_counter() - t)
+            time.sleep(0.01)
+    res = {name: min(v) * 1e3 for name, v in times.items()}
     return {**res, "host_gemm": res["torch_ms"] < GEMM_MARGIN * res["xla_ms"]}
 
 
@@ -212,7 +215,8 @@ def attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
 
 
 def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: float, beta2: float, w2: float,
-                step_size: Any, bc2_sqrt: Any, eps: float, gscale: float = 1.0) -> tuple[Any, Any, Any]:
+                step_size: Any, bc2_sqrt: Any, eps: float, gscale: float = 1.0,
+                in_place: bool = False) -> tuple[Any, Any, Any]:
     """One Adam/AdamW step of one parameter: (p', m', v') with torch's foreach AdamW's operations,
     m' = lerp(m, g, w1), v' = beta2 v + w2 g g, p' = decay p - step_size m' / (sqrt(v') / bc2_sqrt + eps),
     after g = gscale g + l2 p (maximize's -1; Adam's weight decay, where AdamW's is `decay` = 1 - lr wd).
@@ -220,14 +224,20 @@ def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: floa
 
     On the CPU platform a large parameter's step is one custom call reading p, g, m, v once and
     writing the three results once: XLA:CPU, which has no multi-output loop fusion, would run each
-    moment's update as its own loop and recompute both in the parameter's (8 reads, 3 writes)."""
+    moment's update as its own loop and recompute both in the parameter's (8 reads, 3 writes).
+    `in_place`: the call's results alias p, m and v (ask it only where the program donates all three:
+    XLA copies an operand it may not overwrite before the call)."""
     arrays = (p, g, m, v)
     if (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
             and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays)):
         coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in (decay, l2, w1, beta2, w2, step_size,
                                                                             bc2_sqrt, eps, gscale)])
-        outs = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _ in range(3))
-        return tuple(jax.ffi.ffi_call(_ADAM, outs)(p, g, m, v, coef))
+        # on the flat arrays (the update is elementwise): a program's flat input buffers then reach the
+        # call without a relayout copy, which in place would also copy the results back
+        outs = tuple(jax.ShapeDtypeStruct((p.size,), p.dtype) for _ in range(3))
+        aliases = {0: 0, 2: 1, 3: 2} if in_place else None
+        flat = jax.ffi.ffi_call(_ADAM, outs, input_output_aliases=aliases)(*(x.reshape(-1) for x in arrays), coef)
+        return tuple(x.reshape(p.shape) for x in flat)
     dt = p.dtype
     if gscale != 1:
         g = g * gscale

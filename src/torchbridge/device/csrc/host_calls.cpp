@@ -172,6 +172,24 @@ __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) voi
   const bool low = c.w1 < 0.5;
   TORCHBRIDGE_ADAM_LOOP(double, __builtin_sqrt)
 }
+// In place (the program donated p, m and v and the call aliases its results to them): each element's
+// results depend only on that element's inputs, read before they are overwritten; the output pointers
+// are derived from the restrict-qualified inputs, so the compiler knows they are the same arrays.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f32_in_place(
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t lo, int64_t hi,
+    const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  float *const po = p, *const mo = m, *const vo = v;
+  TORCHBRIDGE_ADAM_LOOP(float, __builtin_sqrtf)
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adam_f64_in_place(
+    double* __restrict p, const double* __restrict g, double* __restrict m, double* __restrict v, int64_t lo,
+    int64_t hi, const AdamCoef& c) {
+  const bool low = c.w1 < 0.5;
+  double *const po = p, *const mo = m, *const vo = v;
+  TORCHBRIDGE_ADAM_LOOP(double, __builtin_sqrt)
+}
 #undef TORCHBRIDGE_ADAM_LOOP
 
 ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::AnyBuffer v, ffi::AnyBuffer coef,
@@ -188,9 +206,20 @@ ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::
   }
   AdamCoef c;
   std::memcpy(&c, coef.untyped_data(), sizeof(c));
+  const bool in_place = po->untyped_data() == p.untyped_data();
+  if (in_place && (mo->untyped_data() != m.untyped_data() || vo->untyped_data() != v.untyped_data())) {
+    return ffi::Error::InvalidArgument("torchbridge adam step: p, m and v are updated in place together or not at all");
+  }
   // chunks of 64K elements: a few per thread for the large matrices, one call's worth for small ones
   at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
-    if (t == ffi::DataType::F32) {
+    if (in_place && t == ffi::DataType::F32) {
+      adam_f32_in_place(static_cast<float*>(po->untyped_data()), static_cast<const float*>(g.untyped_data()),
+                        static_cast<float*>(mo->untyped_data()), static_cast<float*>(vo->untyped_data()), lo, hi, c);
+    } else if (in_place) {
+      adam_f64_in_place(static_cast<double*>(po->untyped_data()), static_cast<const double*>(g.untyped_data()),
+                        static_cast<double*>(mo->untyped_data()), static_cast<double*>(vo->untyped_data()), lo, hi,
+                        c);
+    } else if (t == ffi::DataType::F32) {
       adam_f32(static_cast<const float*>(p.untyped_data()), static_cast<const float*>(g.untyped_data()),
                         static_cast<const float*>(m.untyped_data()), static_cast<const float*>(v.untyped_data()),
                         static_cast<float*>(po->untyped_data()), static_cast<float*>(mo->untyped_data()),
