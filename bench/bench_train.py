@@ -69,7 +69,7 @@ def llama_flops_per_step(params_no_embedding: int, layers: int, hidden: int, seq
     return 6 * params_no_embedding * tokens + 12 * layers * hidden * seq * tokens
 
 
-def part_mfu(rounds: int, steps: int) -> dict:
+def part_mfu(rounds: int, steps: int, batch: int = 8, seq: int = 128) -> dict:
     import torch
     import transformers
 
@@ -79,7 +79,6 @@ def part_mfu(rounds: int, steps: int) -> dict:
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=False)
-    batch, seq = 8, 128
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in base.parameters())
@@ -111,9 +110,13 @@ def part_mfu(rounds: int, steps: int) -> dict:
             for _ in range(steps):
                 step(arm)
             times[arm].append((time.perf_counter() - t) / steps)
-    peaks = {d: [gemm_peak(d) for _ in range(3)] for d in ("float32", "bfloat16")}
     return {"params": n_params, "params_no_embedding": n_no_emb, "flops_per_step": flops, "batch": batch,
-            "seq": seq, "times": times, "losses": losses, "peak": {d: max(v) for d, v in peaks.items()}}
+            "seq": seq, "times": times, "losses": losses}
+
+
+def peak_flops() -> dict[str, float]:
+    peaks = {d: [gemm_peak(d) for _ in range(3)] for d in ("float32", "bfloat16")}
+    return {d: max(v) for d, v in peaks.items()}
 
 
 # ---- ranks ---------------------------------------------------------------------------------------
@@ -362,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--parts", default="mfu,ranks,model")
+    ap.add_argument("--shapes", default="8x128",
+                    help="batch x sequence of the mfu part, comma-separated (8x128 is the headline shape)")
     ap.add_argument("--write", default=None)
     ap.add_argument("--worker", choices=["ranks"], help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -375,25 +380,33 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[str] = []
     mfu_bridge = None
     if "mfu" in parts:
-        r = part_mfu(args.rounds, args.steps)
-        t, peak = r["times"], r["peak"]
-        speed = _ratio(t["inductor"], t["bridge"])
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+        results = [part_mfu(args.rounds, args.steps, b, q) for b, q in shapes]
+        peak = peak_flops()
+        r0 = results[0]
         lines += ["## MFU of the compiled training step", "",
-                  f"Llama {r['params'] / 1e6:.1f}M parameters ({r['params_no_embedding'] / 1e6:.1f}M without the input "
-                  f"embedding), batch {r['batch']} x {r['seq']}, AdamW; {r['flops_per_step'] / 1e9:.1f} GFLOP per step. "
-                  f"Peak measured here: fp32 {peak['float32'] / 1e9:.1f} GFLOP/s, bf16 {peak['bfloat16'] / 1e9:.1f} GFLOP/s "
-                  f"(best 2048^3 GEMM). {args.rounds} rounds x {args.steps} steps, arms alternated.", "",
-                  "| arm | step (median ms) | range (ms) | MFU vs fp32 peak | MFU vs bf16 peak | loss after warm-up |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  f"Llama {r0['params'] / 1e6:.1f}M parameters ({r0['params_no_embedding'] / 1e6:.1f}M without the input "
+                  f"embedding), AdamW. Peak measured here: fp32 {peak['float32'] / 1e9:.1f} GFLOP/s, bf16 "
+                  f"{peak['bfloat16'] / 1e9:.1f} GFLOP/s (best 2048^3 GEMM). {args.rounds} rounds x {args.steps} steps "
+                  "per shape, arms alternated.", "",
+                  "| batch x seq | GFLOP/step | arm | step (median ms) | range (ms) | MFU vs fp32 peak | MFU vs bf16 peak "
+                  "| loss after warm-up |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|"]
         names = {"bridge": 'bridge: torch.compile(backend="tpu"), device', "inductor": "torch.compile (Inductor), CPU"}
-        for arm in ("bridge", "inductor"):
-            med = statistics.median(t[arm])
-            lines.append(f"| {names[arm]} | {med * 1e3:.1f} | {min(t[arm]) * 1e3:.1f}-{max(t[arm]) * 1e3:.1f} | "
-                         f"{r['flops_per_step'] / med / peak['float32']:.1%} | {r['flops_per_step'] / med / peak['bfloat16']:.1%} "
-                         f"| {r['losses'][arm]:.4f} |")
-        mfu_bridge = r["flops_per_step"] / statistics.median(t["bridge"]) / peak["float32"]
-        lines += ["", f"Bridge vs Inductor (Inductor step time / bridge step time): median {speed[0]:.2f}x, "
-                  f"range over rounds {speed[1]:.2f}-{speed[2]:.2f}x.", ""]
+        ratios = []
+        for r in results:
+            t = r["times"]
+            for arm in ("bridge", "inductor"):
+                med = statistics.median(t[arm])
+                lines.append(f"| {r['batch']} x {r['seq']} | {r['flops_per_step'] / 1e9:.1f} | {names[arm]} | "
+                             f"{med * 1e3:.1f} | {min(t[arm]) * 1e3:.1f}-{max(t[arm]) * 1e3:.1f} | "
+                             f"{r['flops_per_step'] / med / peak['float32']:.1%} | "
+                             f"{r['flops_per_step'] / med / peak['bfloat16']:.1%} | {r['losses'][arm]:.4f} |")
+            ratios.append((r, _ratio(t["inductor"], t["bridge"])))
+        mfu_bridge = r0["flops_per_step"] / statistics.median(r0["times"]["bridge"]) / peak["float32"]
+        lines += ["", "Bridge vs Inductor (Inductor step time / bridge step time, median and range over rounds): "
+                  + "; ".join(f"{r['batch']} x {r['seq']}: {sp[0]:.2f}x ({sp[1]:.2f}-{sp[2]:.2f}x)" for r, sp in ratios)
+                  + ".", ""]
     ranks: dict[int, dict] = {}
     if "ranks" in parts:
         with tempfile.TemporaryDirectory() as tmp:
