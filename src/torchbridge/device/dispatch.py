@@ -30,6 +30,8 @@ from torchbridge.device.runtime import STATE
 _T, _S, _L, _C = 0, 1, 2, 3  # argument encodings: tensor, dynamic scalar, list, constant
 _NUMBER = torch._C.NumberType.get()
 _TENSOR = torch._C.TensorType.get()
+# Scalar[] (a _foreach_ op's per-tensor scalars, e.g. Adam's bias corrections, new every step): traced
+_NUMBER_LIST = torch._C.ListType(_NUMBER)
 
 
 class UnsupportedOp(RuntimeError):
@@ -66,7 +68,7 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo_:
             inner = t.getElementType() if isinstance(t, torch._C.OptionalType) else t
             # Numbers given for a Tensor argument (wrapped numbers, e.g. from _foreach slow paths) are
             # traced too: a new value must not recompile.
-            if (inner == _NUMBER or inner == _TENSOR) and a.name not in static:
+            if (inner == _NUMBER or inner == _TENSOR or inner == _NUMBER_LIST) and a.name not in static:
                 dynamic.add(a.name)
             elif lowering is not None and a.name in lowering.dynamic:
                 dynamic.add(a.name)
@@ -108,6 +110,8 @@ class _Call:
         if isinstance(value, (list, tuple)):
             if any(isinstance(v, torch.Tensor) for v in value):
                 return (_L, tuple(self.encode(v, False) for v in value))
+            if dynamic and value and all(type(v) in (int, float, bool) for v in value):
+                return (_L, tuple(self.encode(v, True) for v in value))  # (fast_path.cpp's 'l')
             return (_C, tuple(value))
         return (_C, value)
 

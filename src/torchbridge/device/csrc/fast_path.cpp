@@ -94,6 +94,19 @@ struct Key {
       return true;
     }
     if ((PyList_Check(obj) || PyTuple_Check(obj)) && holds_tensor(obj)) return add_tensor_list(obj);
+    if (dynamic && (PyList_Check(obj) || PyTuple_Check(obj)) && numbers_only(obj)) {
+      // a Scalar[] argument (a _foreach_ op's per-tensor scalars: Adam's bias corrections change every
+      // step): each number a traced value, as dispatch._Call.encode does
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+      put('l');
+      put(n);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PySequence_Fast_GET_ITEM(obj, i);
+        put(PyBool_Check(item) ? 'b' : PyFloat_CheckExact(item) ? 'f' : 'i');
+        scalars.append(py::handle(item));
+      }
+      return true;
+    }
     put('C');
     put_types(obj);
     consts.append(frozen(obj));
@@ -133,6 +146,15 @@ struct Key {
     put(t.device().index());
     // conj/neg views reach some kernels unresolved (mm, dot, ...): a different program
     put(static_cast<int64_t>(t.is_conj()) | (static_cast<int64_t>(t.is_neg()) << 1));
+    return true;
+  }
+
+  static bool numbers_only(PyObject* seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    if (n == 0) return false;
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (!(PyFloat_CheckExact(items[i]) || PyLong_CheckExact(items[i]) || PyBool_Check(items[i]))) return false;
     return true;
   }
 

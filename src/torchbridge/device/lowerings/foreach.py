@@ -1,9 +1,11 @@
 """The `_foreach_*` ops: one lowering per list op, applying the per-tensor lowering to each element.
 
-Eager mode never reaches these (PyTorch's CompositeExplicitAutograd "slow" kernels loop over
-per-tensor ops first); a compiled optimizer step does: AOTAutograd keeps `_foreach_add`,
-`_foreach_addcdiv`, `_foreach_lerp`, ... in the graph and torch ships no decomposition for them.
-Inside one jax.jit the per-element loop costs nothing at run time: XLA sees one fused program.
+A compiled optimizer step keeps `_foreach_add`, `_foreach_addcdiv`, `_foreach_lerp`, ... in its graph
+(torch ships no decomposition for them). In eager mode PyTorch's CompositeExplicitAutograd "slow"
+kernels would loop over per-tensor ops, one dispatch each; every overload here is also claimed as a
+device kernel (KERNEL_OVERRIDES), so an eager foreach call is one program over the whole list (eager
+foreach AdamW over 57 parameter shards: one dispatch per op instead of 57). Inside one jax.jit the
+per-element loop costs nothing at run time: XLA sees one fused program.
 """
 
 from __future__ import annotations
@@ -11,11 +13,22 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import torch
 
-from torchbridge.device.lowerings.registry import LOWERINGS, TraceContext, ctx, lower, tracing
+from torchbridge.device.lowerings.registry import (
+    KERNEL_OVERRIDES,
+    LOWERINGS,
+    TraceContext,
+    ctx,
+    lower,
+    tracing,
+)
 
 # list op -> the per-tensor op it applies (same name without the prefix unless listed here)
 _ELEMENT_OP = {"norm": "linalg_vector_norm"}
+
+# arguments the per-tensor lowering needs as Python values (eager calls would otherwise trace them)
+_STATIC = {"norm": ("ord",)}
 
 # list ops whose last positional argument holds one scalar per element (ScalarList or a 1-D Tensor)
 _PER_ELEMENT_SCALARS = {"addcdiv", "addcmul"}
@@ -53,15 +66,33 @@ def _make(name: str) -> None:
                     scal = scal[i]
                 kwargs = {**kwargs, "value": scal}
             el_kwargs = {k: _pick(v, i) for k, v in kwargs.items()}
-            sub = TraceContext(out_shapes=[outer.out_shapes[i]], out_dtypes=[outer.out_dtypes[i]], rng=outer.rng)
+            # an in-place overload (eager) returns nothing: its results take its first list's shapes
+            if i < len(outer.out_shapes):
+                shape, dtype = outer.out_shapes[i], outer.out_dtypes[i]
+            else:
+                shape, dtype = jnp.shape(args[0][i]), args[0][i].dtype
+            sub = TraceContext(out_shapes=[shape], out_dtypes=[dtype], rng=outer.rng)
             with tracing(sub):
                 res = lowering.fn(*el_args, **el_kwargs)
-            res = jnp.asarray(res).astype(outer.out_dtypes[i])
-            results.append(jnp.broadcast_to(res, outer.out_shapes[i]))
+            results.append(jnp.broadcast_to(jnp.asarray(res).astype(dtype), shape))
         return results
 
-    lower(f"_foreach_{name}")(foreach)
+    lower(f"_foreach_{name}", static=_STATIC.get(name, ()))(foreach)
 
 
 for _name in _NAMES:
     _make(_name)
+
+
+def _overloads(name: str) -> list[str]:
+    """Every overload of `_foreach_{name}` and `_foreach_{name}_` ("packet.overload", as KERNEL_OVERRIDES names them)."""
+    found = []
+    for packet in (f"_foreach_{name}", f"_foreach_{name}_"):
+        ops = getattr(torch.ops.aten, packet, None)
+        if ops is not None:
+            found += [packet if o == "default" else f"{packet}.{o}" for o in ops.overloads()]
+    return found
+
+
+for _name in _NAMES:
+    KERNEL_OVERRIDES.update(_overloads(_name))
