@@ -211,10 +211,27 @@ async def _online_client(base: str, requests: list[list[int]], out_lens: list[in
     return results
 
 
+def engine_iterations(base: str) -> tuple[float, float]:
+    """(engine steps, tokens they processed) so far, from the server's vLLM-named histogram
+    vllm:iteration_tokens_total (both engines export it); (nan, nan) where it is missing."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count = total = float("nan")
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in fam.samples:
+            if sample.name == "vllm:iteration_tokens_total_count":
+                count = (0 if count != count else count) + sample.value
+            elif sample.name == "vllm:iteration_tokens_total_sum":
+                total = (0 if total != total else total) + sample.value
+    return count, total
+
+
 def run_online(cmd: list[str], env: dict[str, str], requests: list[list[int]], out_lens: list[int],
-               concurrency: int, start_timeout: float = 120) -> tuple[float, list[dict], float]:
+               concurrency: int, start_timeout: float = 120) -> tuple[float, list[dict], float, dict[str, float]]:
     """Start a server (`cmd`, which listens on the port after its --port), wait for /health, warm it up
-    with two short requests, then time the workload. Returns (wall s, per-request times, start-up s)."""
+    with two short requests, then time the workload. Returns (wall s, per-request times, start-up s, the
+    workload's engine steps and tokens per step from /metrics)."""
     import httpx
 
     port = cmd[cmd.index("--port") + 1]
@@ -237,10 +254,15 @@ def run_online(cmd: list[str], env: dict[str, str], requests: list[list[int]], o
                 time.sleep(0.2)
             startup = time.monotonic() - t_start
             asyncio.run(_online_client(base, requests[:2], [2, 2], 2))  # warm the server up
+            steps0, tokens0 = engine_iterations(base)
             t0 = time.perf_counter()
             results = asyncio.run(_online_client(base, requests, out_lens, concurrency))
+            wall = time.perf_counter() - t0
             assert results and sum(r["num_tokens"] for r in results) == sum(out_lens)
-            return time.perf_counter() - t0, results, startup
+            steps1, tokens1 = engine_iterations(base)
+            steps = steps1 - steps0
+            iters = {"steps": steps, "tokens_per_step": (tokens1 - tokens0) / steps if steps else float("nan")}
+            return wall, results, startup, iters
         finally:
             proc.terminate()
             try:
@@ -262,7 +284,7 @@ def run_ours_online(
     dtype: str = "float32",
 ) -> tuple[float, list[dict]]:
     cmd = ours_serve_command(model_dir, free_port(), concurrency, dtype)
-    t, results, _ = run_online(cmd, thread_env(threads), requests, out_lens, concurrency)
+    t, results, _, _ = run_online(cmd, thread_env(threads), requests, out_lens, concurrency)
     return t, results
 
 

@@ -123,11 +123,12 @@ def versus(args: argparse.Namespace, argv: list[str]) -> int:
                 else:
                     cmd = ours_serve_command(model_dir, port, args.concurrency, args.dtype)
                     env, start_timeout = thread_env(args.threads), 300.0
-                t, per, startup = run_online(cmd, env, reqs, out_lens, args.concurrency, start_timeout)
-                row = {"tok_s": n_out / t, "startup": startup, "load": load, **summarize(per)}
+                t, per, startup, iters = run_online(cmd, env, reqs, out_lens, args.concurrency, start_timeout)
+                row = {"tok_s": n_out / t, "startup": startup, "load": load, **iters, **summarize(per)}
                 online.setdefault(arm, []).append(row)
                 print(f"round {r} online {arm}: {n_out / t:.1f} tok/s, TTFT p50 {row['ttft']['median']:.1f} ms, "
-                      f"TPOT p50 {row['tpot']['median']:.1f} ms (start-up {startup:.1f} s, load {load:.2f})",
+                      f"TPOT p50 {row['tpot']['median']:.1f} ms, {iters['steps']:.0f} engine steps of "
+                      f"{iters['tokens_per_step']:.1f} tokens (start-up {startup:.1f} s, load {load:.2f})",
                       flush=True)
     report = render(args, arms, offline, online, model_desc, version, n_out)
     print(report)
@@ -164,18 +165,23 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
         lines.append(f"| {arm} | {_median_range([x['tok_s'] for x in rows])} | {ratio} | {loads_s} |")
     if online:
         lines += ["", "## Online (OpenAI server, streaming /v1/completions): median over rounds (range)", "",
-                  "| engine | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms | start-up s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms | start-up s "
+                  "| engine steps | tokens/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for arm, rows in online.items():
             cells = [_median_range([x["tok_s"] for x in rows])]
             cells += [_median_range([x[m][q] for x in rows]) for m, q in
                       (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("itl", "median"), ("e2e", "median"))]
             cells.append(_median_range([x["startup"] for x in rows]))
+            cells += [_median_range([x["steps"] for x in rows], "{:.0f}"),
+                      _median_range([x["tokens_per_step"] for x in rows])]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "Both engines run with prefix caching off (random prompts share nothing), max_model_len 1024, "
               "max_num_seqs = concurrency, each its own default otherwise (ours: block size 16, 1024-token step "
               "budget; vLLM: its CPU attention backend and block size). vLLM's compute threads are bound to "
               f"{args.threads} core(s) (VLLM_CPU_OMP_THREADS_BIND); its front-end processes (API server, engine "
               "core's scheduler, detokenizer) run beside them as vLLM deploys them; ours runs one process with "
-              f"{args.threads} torch thread(s). Both detokenize their outputs.", ""]
+              f"{args.threads} torch thread(s). Both detokenize their outputs. Engine steps and tokens/step: each "
+              "server's vllm:iteration_tokens_total histogram over the timed workload (prompt tokens computed plus "
+              "tokens generated per step; vLLM observes it per engine-core output batch).", ""]
     return "\n".join(lines)

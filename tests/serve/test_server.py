@@ -184,6 +184,27 @@ def test_metrics_and_health(client: openai.OpenAI, server: tuple) -> None:
     assert per_pos and sum(s.value for s in per_pos) == values["vllm:spec_decode_num_accepted_tokens_total"]
 
 
+def test_iteration_tokens_count_steps_and_tokens(client: openai.OpenAI, server: tuple) -> None:
+    """vLLM's vllm:iteration_tokens_total: one observation per engine step, summing the prompt tokens the
+    step computed and the tokens it generated; checked against the request's own usage."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        text = httpx.get(server[0] + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("vllm:iteration_tokens_total")}
+
+    before = samples()
+    prompt = [29, 3, 57, 41, 18, 62, 5, 33, 47, 12, 54, 26, 9, 38]  # not seen before: no prefix-cache hit
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    after = samples()
+    steps = after["vllm:iteration_tokens_total_count"] - before.get("vllm:iteration_tokens_total_count", 0)
+    tokens = after["vllm:iteration_tokens_total_sum"] - before.get("vllm:iteration_tokens_total_sum", 0)
+    assert tokens == out.usage.prompt_tokens + out.usage.completion_tokens == len(prompt) + 5
+    # at least one step for the prompt; no more steps than tokens (speculation may add several per step)
+    assert 1 <= steps <= out.usage.completion_tokens + len(prompt)
+
+
 def test_kv_events_publish_prompt_blocks(client: openai.OpenAI, server: tuple) -> None:
     import xxhash
 

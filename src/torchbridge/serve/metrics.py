@@ -86,10 +86,18 @@ class Metrics:
         )
         self._success = Counter("vllm:request_success", "Finished requests.", ["model_name", "finished_reason"],
                                 registry=self.registry)
+        # vLLM's buckets for it; its count is the engine's steps, its sum the tokens they processed
+        self._iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                    ["model_name"], registry=self.registry,
+                                    buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+                                    ).labels(model_name)
         engine.metrics = self
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def observe_iteration(self, tokens: int) -> None:
+        self._iteration.observe(tokens)
 
     def observe_itl(self, seconds: float) -> None:
         self._itl.observe(seconds)
