@@ -167,6 +167,10 @@ def test_metrics_and_health(client: openai.OpenAI, server: tuple) -> None:
     base = server[0]
     assert httpx.get(base + "/health").status_code == 200
     client.completions.create(model=MODEL, prompt=[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], max_tokens=6, temperature=0)
+    # every token id in the prompt: whatever the model generates was seen before, so the n-gram
+    # proposer (1-gram matches and up) drafts at the first decode step, whatever ran before this test
+    client.completions.create(model=MODEL, prompt=list(range(320)), max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
     text = httpx.get(base + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
