@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import socket
@@ -217,14 +218,13 @@ def engine_iterations(base: str) -> tuple[float, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    count = total = float("nan")
+    names = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
+    found: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
         for sample in fam.samples:
-            if sample.name == "vllm:iteration_tokens_total_count":
-                count = (0 if count != count else count) + sample.value
-            elif sample.name == "vllm:iteration_tokens_total_sum":
-                total = (0 if total != total else total) + sample.value
-    return count, total
+            if sample.name in names:  # summed over label sets (an engine per data-parallel rank)
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found.get(names[0], math.nan), found.get(names[1], math.nan)
 
 
 def run_online(cmd: list[str], env: dict[str, str], requests: list[list[int]], out_lens: list[int],

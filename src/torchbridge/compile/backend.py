@@ -87,10 +87,6 @@ class GraphProgram:
         # Adam/AdamW parameter updates among the writes: each computed in one pass (patterns.AdamWrite)
         self.adam = patterns.find_adam_writes(self.placeholders, self._written)
         compile_counter["patterns"] += len(self.adam)
-        # writes whose old buffers may be donated (XLA then updates them in place: a KV cache's few new
-        # rows, an optimizer step's parameters and state; Adam's one-pass custom call then aliases its
-        # results to its operands), in the order the new values come out (donation.donating_jit)
-        self.donated_writes = tuple(self.writes)
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         attrs = {n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"}
@@ -201,11 +197,13 @@ class GraphProgram:
         return results
 
     def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
-        """Buffer positions to donate: large storages this graph writes, held by nothing
-        but the table (and `bufs`), each passed once."""
+        """Buffer positions to donate: large storages this graph writes (XLA then updates them in place:
+        a KV cache's few new rows, an optimizer step's parameters and state; Adam's one-pass custom call
+        then aliases its results to its operands), held by nothing but the table (and `bufs`), each
+        passed once; in the order the new values come out (donation.donating_jit)."""
         # a buffer of another dtype than its tensor (a byte storage FSDP2 all-gathers into, written as
         # float32) cannot take the new value, which comes out in the tensor's dtype
-        picks = [slot[i] for i in self.donated_writes
+        picks = [slot[i] for i in self.writes
                  if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
                  and bufs[slot[i]].dtype == dtypes.to_jax(args[i].dtype)]
         if not picks:
@@ -229,11 +227,7 @@ class GraphProgram:
             donated = tuple(bufs[k] for k in donate)
             others = tuple(b for k, b in enumerate(bufs) if k not in donate)
             call = (donated, others, tuple(hosts), tuple(consts), rng)
-            token = _DONATED.set(frozenset(i for i, k in slot.items() if k in donate))
-            try:
-                run = fn.donating(donate, call)
-            finally:
-                _DONATED.reset(token)
+            run = fn.donating(donate, call, slot)
         if run is not None:
             compile_counter["donated_calls"] += 1
             bufs.clear()
@@ -647,13 +641,18 @@ class _Executable:
         custom calls it runs."""
         return self.jitted.lower(*self._avals).compile().as_text()
 
-    def donating(self, positions: tuple[int, ...], args: tuple) -> Any:
-        """The program donating the buffers at `positions`, compiled for `args` (its call's arguments),
-        or None where donation does not pay: XLA kept the old values alive with copies of a quarter or
-        more of the donated bytes (the fresh-buffer program is then the faster one: RMSprop 29 vs 66 ms
-        per step of 25M parameters, measured)."""
+    def donating(self, positions: tuple[int, ...], args: tuple, slot: dict[int, int]) -> Any:
+        """The program donating the buffers at `positions`, compiled for `args` (its call's arguments;
+        `slot`: graph input -> buffer position), or None where donation does not pay: XLA kept the old
+        values alive with copies of a quarter or more of the donated bytes (the fresh-buffer program is
+        then the faster one: RMSprop 29 vs 66 ms per step of 25M parameters, measured)."""
         if positions not in self._donating:
-            compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
+            at = set(positions)
+            token = _DONATED.set(frozenset(i for i, k in slot.items() if k in at))  # read while tracing
+            try:
+                compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
+            finally:
+                _DONATED.reset(token)
             donated = sum(b.nbytes for b in args[0])
             self._donating[positions] = (None if 4 * donation.copied_bytes(compiled.as_text()) >= donated
                                          else compiled)

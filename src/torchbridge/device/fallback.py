@@ -349,7 +349,8 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     handler = DIRECT.get(id(op))
     if handler is not None:
         return handler(op, args, kwargs)
-    if _foreach_across_devices(op, args) or _foreach_reads_earlier_write(op, args):
+    if op._schema.name.startswith("aten::_foreach_") and (_across_devices(args)
+                                                           or _reads_earlier_write(op, args)):
         if _scalar_list_overload(op, args):
             return op.overloadpacket.ScalarList(*args[:-1], args[-1].tolist())
         # PyTorch's own per-tensor loop, each element on its device: what CUDA's foreach kernels fall
@@ -358,33 +359,42 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     return _run_op(op, args, kwargs)
 
 
+# ---- _foreach_ calls one program cannot serve ---------------------------------------------------
+
+_PER_TENSOR_LOOP = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _tensor_lists(args: tuple) -> list[list[torch.Tensor]]:
+    return [list(a) for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+
+
+def _across_devices(args: tuple) -> bool:
+    """A tensor elsewhere than on this device: in a list, or a CPU tensor of per-tensor scalars
+    (`_foreach_addcdiv_.Tensor`; a 0-dim CPU tensor is a scalar, served here)."""
+    return (any(t.device.type != STATE.name for ts in _tensor_lists(args) for t in ts)
+            or any(isinstance(a, torch.Tensor) and a.device.type != STATE.name and a.dim() for a in args))
+
+
 def _scalar_list_overload(op: torch._ops.OpOverload, args: tuple) -> bool:
     """`_foreach_addcdiv_.Tensor(self, t1, t2, scalars)` with device lists and a 1-D CPU tensor of
     scalars: run as its `.ScalarList` overload, as PyTorch's own kernel converts it."""
     last = args[-1] if args else None
     return (op._overloadname == "Tensor" and hasattr(op.overloadpacket, "ScalarList")
             and isinstance(last, torch.Tensor) and last.dim() == 1 and last.device.type == "cpu"
-            and all(t.device.type == STATE.name for a in args[:-1] if isinstance(a, (list, tuple)) for t in a
-                    if isinstance(t, torch.Tensor)))
+            and all(t.device.type == STATE.name for ts in _tensor_lists(args) for t in ts))
 
 
-def _foreach_reads_earlier_write(op: torch._ops.OpOverload, args: tuple) -> bool:
+def _reads_earlier_write(op: torch._ops.OpOverload, args: tuple) -> bool:
     """An in-place `_foreach_*_` call where element i's write overlaps memory that element j != i reads
     or writes (`_foreach_add_(ps, [g, ps[0]])`): PyTorch's loop runs the elements in order, so a later
     one sees an earlier one's result, which one program over the whole list would not. Splits of one
     buffer (FSDP2's all-gather copy-in) do not overlap and stay one program."""
-    if not (op._schema.name.startswith("aten::_foreach_") and op._schema.name.endswith("_")) or not args:
+    lists = _tensor_lists(args)
+    if not op._schema.name.endswith("_") or not lists:
         return False
-    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-    if not lists:
-        return False
-    spans = [[_span(t) for t in a] for a in lists]
-    for i, w in enumerate(spans[0]):
-        for span in spans:
-            for j, r in enumerate(span):
-                if j != i and w[0] == r[0] and w[1] < r[2] and r[1] < w[2]:
-                    return True
-    return False
+    spans = [[_span(t) for t in ts] for ts in lists]
+    return any(j != i and w[0] == r[0] and w[1] < r[2] and r[1] < w[2]
+               for i, w in enumerate(spans[0]) for span in spans for j, r in enumerate(span))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
@@ -393,21 +403,6 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
     first = t.storage_offset()
     last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0 and st > 0)
     return t.untyped_storage().data_ptr(), first * size, (last + 1) * size if t.numel() else first * size
-
-
-_PER_TENSOR_LOOP = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-
-
-def _foreach_across_devices(op: torch._ops.OpOverload, args: tuple) -> bool:
-    """A `_foreach_*` call with a tensor elsewhere than on this device: in its lists, or a CPU tensor
-    of per-tensor scalars (`_foreach_addcdiv_.Tensor`; a 0-dim CPU tensor is a scalar, served here)."""
-    if not op._schema.name.startswith("aten::_foreach_"):
-        return False
-    for a in args:
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor) and t.device.type != STATE.name and (t.dim() or isinstance(a, (list, tuple))):
-                return True
-    return False
 
 
 def _run_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -10,6 +10,7 @@ per-element loop costs nothing at run time: XLA sees one fused program.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -62,14 +63,12 @@ def _flat_shape(shape: tuple, args: list, kwargs: dict) -> tuple[int] | None:
     arrays = [x for x in (*args, *kwargs.values()) if hasattr(x, "ndim")]
     if not arrays or any(x.ndim and tuple(x.shape) != tuple(shape) for x in arrays):
         return None
-    size = 1
-    for d in shape:
-        size *= d
-    return (size,)
+    return (math.prod(shape),)
 
 
-def _flatten(x: Any, shape: tuple) -> Any:
-    return x.reshape(-1) if hasattr(x, "ndim") and x.ndim and tuple(x.shape) == tuple(shape) else x
+def _flatten(x: Any) -> Any:
+    """An operand of an element _flat_shape accepted: its arrays flat, scalars as they are."""
+    return x.reshape(-1) if getattr(x, "ndim", 0) else x
 
 
 def _make(name: str) -> None:
@@ -93,8 +92,8 @@ def _make(name: str) -> None:
                 shape, dtype = jnp.shape(args[0][i]), args[0][i].dtype
             flat = _flat_shape(shape, el_args, el_kwargs)
             if flat is not None:
-                el_args = [_flatten(x, shape) for x in el_args]
-                el_kwargs = {k: _flatten(v, shape) for k, v in el_kwargs.items()}
+                el_args = [_flatten(x) for x in el_args]
+                el_kwargs = {k: _flatten(v) for k, v in el_kwargs.items()}
             sub = TraceContext(out_shapes=[flat or shape], out_dtypes=[dtype], rng=outer.rng)
             with tracing(sub):
                 res = lowering.fn(*el_args, **el_kwargs)
@@ -103,10 +102,6 @@ def _make(name: str) -> None:
         return results
 
     lower(f"_foreach_{name}", static=_STATIC.get(name, ()))(foreach)
-
-
-for _name in _NAMES:
-    _make(_name)
 
 
 def _overloads(name: str) -> list[str]:
@@ -120,4 +115,5 @@ def _overloads(name: str) -> list[str]:
 
 
 for _name in _NAMES:
+    _make(_name)
     KERNEL_OVERRIDES.update(_overloads(_name))
