@@ -194,6 +194,8 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
             if rank == 0:
                 print(f"==== {arm}")
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(int(os.environ.get("BENCH_PROFILE", "35")))
+    if os.environ.get("BENCH_PHASES"):  # per-phase time, each phase synchronised (rank 0 prints medians)
+        _phases(setups, rank, int(os.environ["BENCH_PHASES"]))
     for _ in range(rounds):
         for arm in times:
             dist.barrier()
@@ -205,6 +207,46 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
         (out / "fsdp.json").write_text(json.dumps({"world": world, "params": params, "times": times,
                                                    "losses": losses}))
     dist.destroy_process_group()
+
+
+def _phases(setups: dict, rank: int, rounds: int) -> None:
+    """Forward, loss, backward and optimizer step timed apart, waiting for the device after each (which
+    removes the overlap a normal step has: the sum is an upper bound of a step)."""
+    import itertools
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    def sync(d) -> None:
+        if d.type != "cpu":
+            torch.tpu.synchronize(d)
+        dist.barrier()
+
+    spent: dict[str, dict[str, list[float]]] = {arm: {} for arm in setups}
+    for _ in range(rounds):
+        for arm, (model, opt, x, y, d) in setups.items():
+            sync(d)
+            marks = [("start", time.perf_counter())]
+            logits = model(x)
+            sync(d)
+            marks.append(("forward", time.perf_counter()))
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            sync(d)
+            marks.append(("loss", time.perf_counter()))
+            loss.backward()
+            sync(d)
+            marks.append(("backward", time.perf_counter()))
+            opt.step()
+            opt.zero_grad()
+            sync(d)
+            marks.append(("optimizer", time.perf_counter()))
+            for (_, t0), (name, t1) in itertools.pairwise(marks):
+                spent[arm].setdefault(name, []).append((t1 - t0) * 1e3)
+    if rank == 0:
+        for arm, phases in spent.items():
+            print(f"==== phases {arm}: " + ", ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in phases.items()))
 
 
 # ---- driver --------------------------------------------------------------------------------------

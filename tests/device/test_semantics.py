@@ -259,6 +259,28 @@ def test_out_resizes_empty_tensor() -> None:
     check(fn, torch.randn(2, 5), torch.empty(0))
 
 
+def test_storage_resize_keeps_the_bytes_that_survive() -> None:
+    """untyped_storage().resize_ as FSDP2 uses it (free with resize_(0), regrow, fill through a view) and
+    as growing, shrinking and same-size resizes keep the written prefix, against the CPU. Bytes a grown
+    storage adds are uninitialised in PyTorch, so only the written ones are compared."""
+    def fn(a: torch.Tensor, src: torch.Tensor) -> tuple:
+        freed = a.clone()
+        st = freed.untyped_storage()
+        st.resize_(0)
+        st.resize_(src.numel() * src.element_size())
+        freed.copy_(src)
+        grown = a.clone()
+        grown.untyped_storage().resize_(grown.numel() * grown.element_size() * 2)
+        shrunk = a.clone()
+        shrunk.untyped_storage().resize_(shrunk.element_size() * 3)
+        same = a.clone()
+        same.untyped_storage().resize_(same.numel() * same.element_size())
+        same.add_(1)
+        return freed, grown, torch.empty(0, device=a.device).set_(shrunk.untyped_storage(), 0, (3,)), same
+
+    check(fn, torch.randn(8), torch.randn(8))
+
+
 def test_out_into_non_contiguous_view_writes_base() -> None:
     def fn(a: torch.Tensor, base: torch.Tensor) -> tuple:
         out = base[:, ::2]

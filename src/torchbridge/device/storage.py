@@ -38,9 +38,13 @@ class BufferTable:
             if kind == _FREE:
                 self._buffers.pop(a, None)
             elif kind == _RESIZE:
+                # Only bytes that were written and survive the resize are carried over; a storage
+                # grown from nothing needs no entry (it reads as zeros), which is FSDP2's case: it
+                # frees each unsharded parameter with resize_(0) and regrows it before every all-gather.
                 old = self.get(a)
-                if old is not None:
-                    self._buffers[b] = _resize_bytes(old, nbytes)
+                if old is None or not nbytes or not old.nbytes:
+                    continue
+                self._buffers[b] = old if old.nbytes == nbytes else _resize_bytes(old, nbytes)
 
     def flush(self) -> None:
         """Run what fused eager mode has recorded and put the concrete buffers in the table."""
