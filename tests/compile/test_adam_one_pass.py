@@ -95,3 +95,49 @@ def _fused_adamw_hlo(shapes: list[tuple[int, ...]]) -> str:
 
     with registry.tracing(registry.TraceContext()):
         return jax.jit(step).lower(arrays, arrays, arrays, arrays, steps).compile().as_text()
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    # weight decay (g + wd p) and lr decay (a per-step factor), and maximize (-g)
+    {"weight_decay": 0.1, "lr_decay": 0.01, "maximize": True},
+], ids=["plain", "decay-maximize"])
+def test_compiled_adagrad_is_one_pass_per_parameter_and_matches_cpu(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adagrad the same way (host_calls.adagrad_update, patterns.find_adagrad_writes), against CPU
+    torch.optim.Adagrad's single-tensor loop."""
+    if not host_calls.enabled():
+        pytest.skip("the one-pass update is a custom call of JAX's CPU platform (host kernels on)")
+    programs = []
+    compile_graph = compile_backend.compile_graph
+
+    def spy(gm, example_inputs, forward=False):
+        program = compile_graph(gm, example_inputs, forward)
+        programs.append(program)
+        return program
+
+    monkeypatch.setattr(compile_backend, "compile_graph", spy)
+    torch.manual_seed(0)
+    cpu = _model()
+    dev = copy.deepcopy(cpu).to(DEV)
+    opt_cpu = torch.optim.Adagrad(cpu.parameters(), lr=1e-2, foreach=False, **kw)
+    opt_dev = torch.optim.Adagrad(dev.parameters(), lr=1e-2, foreach=True, **kw)
+    step = torch.compile(opt_dev.step, backend="tpu")
+    for _ in range(4):
+        x = torch.randn(32, 256)
+        opt_cpu.zero_grad()
+        cpu(x).square().sum().backward()
+        opt_cpu.step()
+        opt_dev.zero_grad()
+        dev(x.to(DEV)).square().sum().backward()
+        step()
+        for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
+            torch.testing.assert_close(p_dev.detach().cpu(), p_ref.detach(), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(opt_dev.state[p_dev]["sum"].cpu(), opt_cpu.state[p_ref]["sum"], atol=1e-5,
+                                       rtol=1e-4)
+            with torch.no_grad():
+                p_ref.copy_(p_dev.cpu())
+    hlo = "\n".join(text for p in programs for text in p.program.hlo_texts())
+    assert hlo.count('custom_call_target="torchbridge_adagrad_step"') == 2, hlo
+    for shape in ("f32[128,256]", "f32[32768]", "f32[128,128]", "f32[16384]"):
+        loops = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* fusion\(", line)]
+        assert not loops, loops

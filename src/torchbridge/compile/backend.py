@@ -86,7 +86,8 @@ class GraphProgram:
         self.writes = sorted(self._written)
         # Adam/AdamW parameter updates among the writes: each computed in one pass (patterns.AdamWrite)
         self.adam = patterns.find_adam_writes(self.placeholders, self._written)
-        compile_counter["patterns"] += len(self.adam)
+        self.adagrad = patterns.find_adagrad_writes(self.placeholders, self._written)  # likewise
+        compile_counter["patterns"] += len(self.adam) + len(self.adagrad)
         self._programs: dict[Any, tuple[Any, list]] = {}
         self._last_key: Any = None
         attrs = {n.target: _attr(gm, n.target) for n in self.nodes if n.op == "get_attr"}
@@ -329,6 +330,8 @@ class GraphProgram:
             for a in self.adam:
                 in_place = all(i in donated for i in (a.param, a.exp_avg, a.exp_avg_sq))
                 written[a.param], written[a.exp_avg], written[a.exp_avg_sq] = _adam_update(a, env, in_place)
+            for a in self.adagrad:
+                written[a.param], written[a.state_sum] = _adagrad_update(a, env, donated)
             new_dev, new_host = [], []
             for i in self.writes:
                 node, d = self.placeholders[i], descs[i]
@@ -434,6 +437,16 @@ def _adam_update(a: patterns.AdamWrite, env: dict, in_place: bool) -> tuple[Any,
     return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=s["l2"], w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
                                   step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"],
                                   gscale=s["gscale"], in_place=in_place)
+
+
+def _adagrad_update(a: patterns.AdagradWrite, env: dict, donated: frozenset[int]) -> tuple[Any, Any]:
+    """(p', s') of one matched Adagrad update, in one pass (in place where both are donated)."""
+    x, i = a.scalars["clr"]
+    x = env[x] if isinstance(x, torch.fx.Node) else x
+    clr = x if i is None else x[i]
+    return host_calls.adagrad_update(env[a.nodes["p"]], env[a.nodes["g"]], env[a.nodes["s"]], clr=clr,
+                                     eps=a.scalars["eps"], l2=a.scalars["l2"], gscale=a.scalars["gscale"],
+                                     in_place=a.param in donated and a.state_sum in donated)
 
 
 def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None,

@@ -191,3 +191,67 @@ def find_adam_writes(placeholders: list[torch.fx.Node], written: dict[int, torch
             continue
         out.append(AdamWrite(k, slots[1], slots[2], {"p": p, "g": g, "m": m, "v": v}, scalars))
     return out
+
+
+@dataclass(frozen=True)
+class AdagradWrite:
+    """One parameter's Adagrad update in a compiled foreach optimizer step (torch.optim.Adagrad, foreach),
+    found from the two values the graph writes back:
+
+        (g = -g for maximize, then g + wd p for weight decay: _foreach_neg, _foreach_add)
+        s' = s + g * g                       (_foreach_addcmul)
+        d  = sqrt(s') + eps                  (_foreach_sqrt, _foreach_add)
+        p' = p + (g * clr) / d               (_foreach_mul, _foreach_addcdiv; clr = -lr / (1 + (step - 1) lr_decay))
+
+    The backend computes (p', s') with host_calls.adagrad_update (one pass) instead of the foreach ops'
+    element values."""
+
+    param: int      # input positions written: the parameter, its state sum
+    state_sum: int
+    nodes: dict[str, Any]   # p, g, s: FX nodes
+    scalars: dict[str, Any]  # eps, l2, gscale: numbers; clr: (node or number, element)
+
+
+def _scalar_factor(x: Any, i: int) -> tuple[Any, int | None] | None:
+    """Element i's factor of a _foreach_mul: as _per_element, plus one 0-d/1-element tensor for all."""
+    if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].numel() == 1:
+        return x, None
+    return _per_element(x, i)
+
+
+def find_adagrad_writes(placeholders: list[torch.fx.Node], written: dict[int, torch.fx.Node]) -> list[AdagradWrite]:
+    """The Adagrad parameter updates among a graph's writes (see AdagradWrite); others are left alone."""
+    index = {n: k for k, n in enumerate(placeholders)}
+    out = []
+    for k, value in written.items():
+        addcdiv = _of(value, aten._foreach_addcdiv.Scalar)
+        if addcdiv is None or _value(addcdiv[1], 3, 1) != 1:
+            continue
+        (p, num, den, *_), _, _ = addcdiv
+        mul = _of(num, aten._foreach_mul.List, aten._foreach_mul.Scalar, aten._foreach_mul.ScalarList,
+                  aten._foreach_mul.Tensor)
+        eps_add = _of(den, aten._foreach_add.Scalar)
+        sqrt = _of(eps_add[0][0], aten._foreach_sqrt.default) if eps_add else None
+        addcmul = _of(sqrt[0][0], aten._foreach_addcmul.Scalar) if sqrt else None
+        if not (mul and eps_add and sqrt and addcmul) or _value(addcmul[1], 3, 1) != 1:
+            continue
+        g = mul[0][0]
+        clr = _scalar_factor(mul[1][1], mul[2])
+        s_old, g1, g2 = addcmul[0][:3]
+        if clr is None or g1 is not g or g2 is not g:
+            continue
+        l2, gscale = 0.0, 1.0
+        wd = _of(g, aten._foreach_add.List)  # weight decay: g + wd p
+        if wd and wd[0][1] is p and isinstance(_value(wd[1], 2, 1), (int, float)):
+            g, l2 = wd[0][0], _value(wd[1], 2, 1)
+        neg = _of(g, aten._foreach_neg.default)  # maximize
+        if neg:
+            g, gscale = neg[0][0], -1.0
+        slots = (index.get(p), index.get(s_old))
+        if k != slots[0] or slots[1] is None or written.get(slots[1]) is not sqrt[0][0]:
+            continue
+        if not isinstance(eps_add[1][1], (int, float)):
+            continue
+        out.append(AdagradWrite(k, slots[1], {"p": p, "g": g, "s": s_old},
+                                {"eps": eps_add[1][1], "l2": l2, "gscale": gscale, "clr": clr}))
+    return out

@@ -41,6 +41,7 @@ _FENCE = "torchbridge_fence"
 _ATTENTION = "torchbridge_attention"
 _ATTENTION_BACKWARD = "torchbridge_attention_backward"
 _ADAM = "torchbridge_adam_step"
+_ADAGRAD = "torchbridge_adagrad_step"
 # Parameters from this many elements get the one-pass Adam update; a bias or a norm's weight is
 # cheaper as XLA's own loops than as one more custom call.
 ADAM_MIN_ELEMENTS = 1 << 14
@@ -79,6 +80,7 @@ def register(native_module: Any) -> None:
         jax.ffi.register_ffi_target(_ATTENTION, native_module.attention_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_ATTENTION_BACKWARD, native_module.attention_backward_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_ADAM, native_module.adam_step_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_ADAGRAD, native_module.adagrad_step_capsule(), platform="cpu")
         _registered = True
 
 
@@ -247,6 +249,31 @@ def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: floa
     v = v * beta2 + w2 * g * g
     d = jnp.sqrt(v) / jnp.asarray(bc2_sqrt, dt) + eps
     return p * jnp.asarray(decay, dt) - jnp.asarray(step_size, dt) * (m / d), m, v
+
+
+def adagrad_update(p: Any, g: Any, s: Any, *, clr: Any, eps: float, l2: float = 0.0, gscale: float = 1.0,
+                   in_place: bool = False) -> tuple[Any, Any]:
+    """One Adagrad step of one parameter, (p', s'), with torch's foreach Adagrad's operations: g = gscale g
+    + l2 p, s' = s + g g, p' = p + (g clr) / (sqrt(s') + eps), clr = -lr / (1 + (step - 1) lr_decay).
+
+    On the CPU platform a large parameter's step is one custom call reading p, g, s once and writing both
+    results once (XLA:CPU runs the state's update and the parameter's as two loops, the second
+    recomputing or re-reading s'). `in_place`: the results alias p and s (only where the program
+    donates both)."""
+    arrays = (p, g, s)
+    if (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
+            and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays)):
+        coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in (clr, eps, l2, gscale)])
+        outs = tuple(jax.ShapeDtypeStruct((p.size,), p.dtype) for _ in range(2))
+        aliases = {0: 0, 2: 1} if in_place else None
+        flat = jax.ffi.ffi_call(_ADAGRAD, outs, input_output_aliases=aliases)(*(x.reshape(-1) for x in arrays), coef)
+        return tuple(x.reshape(p.shape) for x in flat)
+    if gscale != 1:
+        g = g * gscale
+    if l2 != 0:
+        g = g + jnp.asarray(l2, p.dtype) * p
+    s = s + g * g
+    return p + (g * jnp.asarray(clr, p.dtype)) / (jnp.sqrt(s) + eps), s
 
 
 def _mask(bias: Any, dtype: Any) -> Any:

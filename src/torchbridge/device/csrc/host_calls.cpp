@@ -234,6 +234,86 @@ ffi::Error adam_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer m, ffi::
   return ffi::Error::Success();
 }
 
+// Adagrad (torch.optim.Adagrad's foreach order): g = gscale g + l2 p, s' = s + g g,
+// p' = p + (g clr) / (sqrt(s') + eps), clr = -lr / (1 + (step - 1) lr_decay).
+struct AdagradCoef {
+  double clr, eps, l2, gscale;
+};
+
+#define TORCHBRIDGE_ADAGRAD_LOOP(T, SQRT)                                   \
+  const T clr = c.clr, eps = c.eps, l2 = c.l2, gs = c.gscale;               \
+  for (int64_t i = lo; i < hi; ++i) {                                       \
+    const T gi = l2 != 0 ? gs * g[i] + l2 * p[i] : gs * g[i];               \
+    const T si = s[i] + gi * gi;                                            \
+    po[i] = p[i] + (gi * clr) / (SQRT(si) + eps);                           \
+    so[i] = si;                                                             \
+  }
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adagrad_f32(
+    const float* __restrict p, const float* __restrict g, const float* __restrict s, float* __restrict po,
+    float* __restrict so, int64_t lo, int64_t hi, const AdagradCoef& c) {
+  TORCHBRIDGE_ADAGRAD_LOOP(float, __builtin_sqrtf)
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adagrad_f64(
+    const double* __restrict p, const double* __restrict g, const double* __restrict s, double* __restrict po,
+    double* __restrict so, int64_t lo, int64_t hi, const AdagradCoef& c) {
+  TORCHBRIDGE_ADAGRAD_LOOP(double, __builtin_sqrt)
+}
+
+// in place: as adam_f32_in_place (each element's results depend only on its own inputs)
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adagrad_f32_in_place(
+    float* __restrict p, const float* __restrict g, float* __restrict s, int64_t lo, int64_t hi,
+    const AdagradCoef& c) {
+  float *const po = p, *const so = s;
+  TORCHBRIDGE_ADAGRAD_LOOP(float, __builtin_sqrtf)
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void adagrad_f64_in_place(
+    double* __restrict p, const double* __restrict g, double* __restrict s, int64_t lo, int64_t hi,
+    const AdagradCoef& c) {
+  double *const po = p, *const so = s;
+  TORCHBRIDGE_ADAGRAD_LOOP(double, __builtin_sqrt)
+}
+#undef TORCHBRIDGE_ADAGRAD_LOOP
+
+ffi::Error adagrad_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer s, ffi::AnyBuffer coef,
+                        ffi::Result<ffi::AnyBuffer> po, ffi::Result<ffi::AnyBuffer> so) {
+  const auto t = p.element_type();
+  if (g.element_type() != t || s.element_type() != t || coef.element_type() != ffi::DataType::F64 ||
+      coef.element_count() != 4 || (t != ffi::DataType::F32 && t != ffi::DataType::F64)) {
+    return ffi::Error::InvalidArgument("torchbridge adagrad step: float32/float64 arrays and 4 float64 coefficients");
+  }
+  const int64_t n = static_cast<int64_t>(p.element_count());
+  if (g.element_count() != static_cast<size_t>(n) || s.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("torchbridge adagrad step: arrays of different sizes");
+  }
+  AdagradCoef c;
+  std::memcpy(&c, coef.untyped_data(), sizeof(c));
+  const bool in_place = po->untyped_data() == p.untyped_data();
+  if (in_place != (so->untyped_data() == s.untyped_data())) {
+    return ffi::Error::InvalidArgument("torchbridge adagrad step: p and its state sum are updated in place together or not at all");
+  }
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    if (in_place && t == ffi::DataType::F32) {
+      adagrad_f32_in_place(static_cast<float*>(po->untyped_data()), static_cast<const float*>(g.untyped_data()),
+                           static_cast<float*>(so->untyped_data()), lo, hi, c);
+    } else if (in_place) {
+      adagrad_f64_in_place(static_cast<double*>(po->untyped_data()), static_cast<const double*>(g.untyped_data()),
+                           static_cast<double*>(so->untyped_data()), lo, hi, c);
+    } else if (t == ffi::DataType::F32) {
+      adagrad_f32(static_cast<const float*>(p.untyped_data()), static_cast<const float*>(g.untyped_data()),
+                  static_cast<const float*>(s.untyped_data()), static_cast<float*>(po->untyped_data()),
+                  static_cast<float*>(so->untyped_data()), lo, hi, c);
+    } else {
+      adagrad_f64(static_cast<const double*>(p.untyped_data()), static_cast<const double*>(g.untyped_data()),
+                  static_cast<const double*>(s.untyped_data()), static_cast<double*>(po->untyped_data()),
+                  static_cast<double*>(so->untyped_data()), lo, hi, c);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdamStep, adam_step,
@@ -244,6 +324,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdamStep, adam_step,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdagradStep, adagrad_step,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
@@ -290,3 +379,4 @@ void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeF
 void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
 void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
 void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
+void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }

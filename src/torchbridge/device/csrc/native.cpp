@@ -532,6 +532,7 @@ void* torchbridge_fence_handler();      // host_calls.cpp
 void* torchbridge_attention_handler();  // host_calls.cpp
 void* torchbridge_attention_backward_handler();  // host_calls.cpp
 void* torchbridge_adam_step_handler();  // host_calls.cpp
+void* torchbridge_adagrad_step_handler();  // host_calls.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_gemm_capsule", []() { return pybind11::capsule(torchbridge_host_gemm_handler()); },
@@ -546,6 +547,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the XLA FFI handler of the CPU platform's fused attention backward");
   m.def("adam_step_capsule", []() { return pybind11::capsule(torchbridge_adam_step_handler()); },
         "the XLA FFI handler of the CPU platform's one-pass Adam/AdamW update");
+  m.def("adagrad_step_capsule", []() { return pybind11::capsule(torchbridge_adagrad_step_handler()); },
+        "the XLA FFI handler of the CPU platform's one-pass Adagrad update");
   m.def("install", &install, "set the allocator and hooks; safe to call again to change the device count");
   m.def("drain_events", &drain_events, "queued (kind, a, b, nbytes) storage events, oldest first");
   m.def("live_bytes", [](int d) { return g_live_bytes[d].load(); });
