@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
 from torchbridge.compile import bounded, flex, functionalized, patterns, rng_state, spmd
-from torchbridge.device import donation, dtypes, host_calls, views
+from torchbridge.device import donation, dtypes, host_calls, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
 
@@ -171,7 +171,10 @@ class GraphProgram:
         if self.writes:  # (it records what synchronize() waits on: the written buffers too)
             flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
-            flat_out = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
+            call = (tuple(bufs), tuple(hosts), tuple(consts), rng)
+            bufs.clear()
+            flat_out = fn(*call) if plan is not None else _call_recycling(fn, call)
+            call = None
             if plan is not None:
                 flat_out = jax.tree.map(spmd.local, flat_out)
             STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
@@ -643,6 +646,8 @@ class _Executable:
         self.jitted = jax.jit(raw, keep_unused=True)  # placed by its inputs' devices, used or not
         self._donating: dict[tuple[int, ...], Any] = {}
         self._avals: Any = None  # the first call's argument shapes, for hlo_text
+        self.spare_keys: list[tuple] | None = None  # its large outputs' (shape, dtype, device), after a call
+        self._recycling: Any = False  # the variant writing them into donated spares; None: it copies
 
     def __call__(self, *args: Any) -> Any:
         if self._avals is None:
@@ -653,6 +658,17 @@ class _Executable:
         """The optimised HLO XLA compiled for this program (after its first call): which fusions and
         custom calls it runs."""
         return self.jitted.lower(*self._avals).compile().as_text()
+
+    def recycling(self, call: tuple, spares: list) -> Any:
+        """The program taking `spares` (one per large output, in order) as a first, donated argument that
+        XLA writes those outputs into; None where XLA would copy a quarter or more of their bytes."""
+        if self._recycling is False:
+            raw = self.raw
+            jitted = jax.jit(lambda _spares, *args: raw(*args), donate_argnums=(0,), keep_unused=True)
+            compiled = jitted.lower(tuple(spares), *call).compile()
+            spare_bytes = sum(b.nbytes for b in spares)
+            self._recycling = None if 4 * donation.copied_bytes(compiled.as_text()) >= spare_bytes else compiled
+        return self._recycling
 
     def donating(self, positions: tuple[int, ...], args: tuple, slot: dict[int, int]) -> Any:
         """The program donating the buffers at `positions`, compiled for `args` (its call's arguments;
@@ -670,6 +686,27 @@ class _Executable:
             self._donating[positions] = (None if 4 * donation.copied_bytes(compiled.as_text()) >= donated
                                          else compiled)
         return self._donating[positions]
+
+
+def _call_recycling(fn: _Executable, call: tuple) -> Any:
+    """Run a program that writes no input, its large fresh outputs written into spare buffers of their
+    shape (storage.SPARES: freed buffers kept instead of new memory, which the CPU platform page-faults
+    in on every write) when the pool has one for each and XLA adds no copies for them."""
+    if fn.spare_keys:
+        spares = storage.SPARES.take(fn.spare_keys)
+        if spares is not None:
+            run = fn.recycling(call, spares)
+            if run is not None:
+                compile_counter["recycled_outputs"] += len(spares)
+                return run(tuple(spares), *call)
+            for buf in spares:
+                storage.SPARES.put(buf)
+    out = fn(*call)
+    if fn.spare_keys is None:
+        fn.spare_keys = [storage.SparePool.key(o.shape, o.dtype, next(iter(o.devices())))
+                         for o in jax.tree.leaves(out) if o.nbytes >= storage.SPARE_MIN_BYTES] \
+            if storage.spares_enabled() else []
+    return out
 
 
 def _device_slots(args: tuple) -> dict[int, int]:
@@ -905,7 +942,7 @@ def register(name: str) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    counters = ("recompiles", "donated_calls", "patterns", "collective_graphs", "collectives",
+    counters = ("recompiles", "donated_calls", "recycled_outputs", "patterns", "collective_graphs", "collectives",
                 "routed_from_inductor", "flex_attention_lowered")
     graphs = {k: v for k, v in compile_counter.items() if k not in counters}
     return {"graphs_compiled": sum(graphs.values()), **{k: compile_counter[k] for k in counters}, "by_graph": graphs}

@@ -183,7 +183,10 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
 
 
 def memory_reserved(device: int | str | torch.device | None = None) -> int:
-    return memory_allocated(device)
+    """Allocated bytes plus the freed buffers kept for reuse (storage.SPARES; empty_cache drops them)."""
+    from torchbridge.device import storage
+
+    return memory_allocated(device) + storage.SPARES.bytes_on(STATE.jax_device(_index(device)))
 
 
 def max_memory_reserved(device: int | str | torch.device | None = None) -> int:
@@ -199,10 +202,12 @@ def reset_accumulated_memory_stats(device: int | str | torch.device | None = Non
 
 
 def empty_cache() -> None:
-    """Drop buffers the backend keeps for reuse (shared zero buffers); live tensors are untouched."""
+    """Drop buffers the backend keeps for reuse (shared zero buffers, freed buffers kept for programs'
+    outputs); live tensors are untouched."""
     from torchbridge.device import storage
 
     storage.clear_zero_cache()
+    storage.SPARES.clear()
 
 
 def mem_get_info(device: int | str | torch.device | None = None) -> tuple[int, int]:

@@ -8,7 +8,9 @@ on CPU. A storage without an entry has never been written and reads as zeros.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
+import sys
+from collections import OrderedDict, deque
 from typing import Any
 
 import jax
@@ -36,7 +38,10 @@ class BufferTable:
             return
         for kind, a, b, nbytes in events:
             if kind == _FREE:
-                self._buffers.pop(a, None)
+                buf = self._buffers.pop(a, None)
+                if isinstance(buf, jax.Array) and buf.nbytes >= SPARE_MIN_BYTES and sys.getrefcount(buf) <= 2:
+                    SPARES.put(buf)  # (references: `buf` and getrefcount's argument: nothing else holds it)
+                buf = None
             elif kind == _RESIZE:
                 # Only bytes that were written and survive the resize are carried over; a storage
                 # grown from nothing needs no entry (it reads as zeros), which is FSDP2's case: it
@@ -114,3 +119,72 @@ def _resize_bytes_jit(buf: jax.Array, nbytes: int) -> jax.Array:
 
 def _resize_bytes(buf: jax.Array, nbytes: int) -> jax.Array:
     return _resize_bytes_jit(buf, nbytes)
+
+
+# ---- spare buffers -------------------------------------------------------------------------------
+# On JAX's CPU platform every program output is fresh memory from the C allocator, which maps a large
+# block anew each time and pays a page fault per 4 KiB page on first write (a 51 MB embedding gradient:
+# ~10-20 ms, more than the arithmetic; a caching allocator such as CUDA's avoids this). Freed large
+# buffers that nothing else holds are kept here instead, and compiled programs take them as donated
+# inputs that XLA writes their fresh outputs of the same shape into (compile.backend). The pool is
+# bounded; torch.<device>.empty_cache() drops it; TORCHBRIDGE_SPARE_BUFFERS=0 turns it off.
+SPARE_MIN_BYTES = 4 << 20
+SPARE_POOL_BYTES = 1 << 30
+
+
+def spares_enabled() -> bool:
+    from torchbridge.device.runtime import STATE
+
+    return STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_SPARE_BUFFERS", "1") != "0"
+
+
+class SparePool:
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[jax.Array]] = {}
+        self._order: deque[tuple[tuple, jax.Array]] = deque()  # oldest first, for eviction
+        self.nbytes = 0
+
+    @staticmethod
+    def key(shape: tuple, dtype: Any, device: Any) -> tuple:
+        return tuple(shape), jnp.dtype(dtype), device
+
+    def put(self, buf: jax.Array) -> None:
+        if not spares_enabled() or buf.is_deleted() or buf.nbytes > SPARE_POOL_BYTES:
+            return
+        key = self.key(buf.shape, buf.dtype, next(iter(buf.devices())))
+        self._free.setdefault(key, []).append(buf)
+        self._order.append((key, buf))
+        self.nbytes += buf.nbytes
+        while self.nbytes > SPARE_POOL_BYTES:
+            old_key, old = self._order.popleft()
+            self._free[old_key].remove(old)
+            self.nbytes -= old.nbytes
+
+    def take(self, keys: list[tuple]) -> list[jax.Array] | None:
+        """One spare per key (keys may repeat), or None (and nothing taken) unless all are there."""
+        need: dict[tuple, int] = {}
+        for k in keys:
+            need[k] = need.get(k, 0) + 1
+        if any(len(self._free.get(k, ())) < n for k, n in need.items()):
+            return None
+        out = []
+        for k in keys:
+            buf = self._free[k].pop()
+            for i, (_, b) in enumerate(self._order):
+                if b is buf:
+                    del self._order[i]
+                    break
+            self.nbytes -= buf.nbytes
+            out.append(buf)
+        return out
+
+    def bytes_on(self, device: Any) -> int:
+        return sum(b.nbytes for (_, _, d), bufs in self._free.items() if d == device for b in bufs)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._order.clear()
+        self.nbytes = 0
+
+
+SPARES = SparePool()
