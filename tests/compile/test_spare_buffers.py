@@ -7,6 +7,7 @@ empty_cache() gives the memory back."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture(autouse=True)
 def _cpu_platform() -> None:
-    if not storage.spares_enabled():
+    if not storage.spares_enabled(jax.devices()[0]):
         pytest.skip("spare buffers serve JAX's CPU platform only (or TORCHBRIDGE_SPARE_BUFFERS=0)")
     MOD.empty_cache()
 

@@ -13,7 +13,7 @@ Reference: the same job on one rank. The dataset's documents are identical per d
 (see titan.py), so FSDP2 on 2 ranks with local batch 2 must give the 1-rank curve with local batch 2.
 Tolerance: 1e-4 relative per step (fp32; FSDP2 reduce-scatters gradients in a different order than
 one rank sums them, and AdamW carries the difference on; measured: equal in the 5 decimals TorchTitan
-prints, 8.28862 / 7.88664 / 7.77895 for steps 1-3 on 1 and 2 ranks). The loss must also fall. Default run: 1 rank and FSDP2 on 2 ranks, 3 steps each. TB_SLOW=1: 10 steps, FSDP2 x TP (2 x 2
+prints, 8.28862 / 7.88664 / 7.77895 for steps 1-3 on 1 and 2 ranks). The loss must also fall. Default run (CI's time budget): 1 rank, 3 steps. TB_SLOW=1: 10 steps, FSDP2 on 2 ranks, FSDP2 x TP (2 x 2
 ranks; trains, but starts from a different initialisation, see its test) and the model compiled with
 `--compile.enable` (TorchTitan's default backend "inductor").
 """
@@ -81,6 +81,8 @@ def test_one_rank_trains(one_rank):
     assert one_rank[STEPS] < one_rank[1] - (0.5 if SLOW else 0.1), one_rank
 
 
+@pytest.mark.skipif(not SLOW, reason="CI's time budget: the 2-rank TorchTitan job (~40 s) runs with TB_SLOW=1; FSDP2 "
+                    "itself is checked against CPU+gloo in tests/distributed")
 def test_fsdp2_two_ranks_matches_one_rank(python, assets, one_rank, tmp_path):
     losses, _ = _train(python, assets, tmp_path, 2, 2, dp_shard=2)
     _assert_same_curve(losses, one_rank)

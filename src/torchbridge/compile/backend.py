@@ -703,9 +703,8 @@ def _call_recycling(fn: _Executable, call: tuple) -> Any:
                 storage.SPARES.put(buf)
     out = fn(*call)
     if fn.spare_keys is None:
-        fn.spare_keys = [storage.SparePool.key(o.shape, o.dtype, next(iter(o.devices())))
-                         for o in jax.tree.leaves(out) if o.nbytes >= storage.SPARE_MIN_BYTES] \
-            if storage.spares_enabled() else []
+        fn.spare_keys = [storage.SparePool.key(o.shape, o.dtype, d) for o in jax.tree.leaves(out)
+                         if o.nbytes >= storage.SPARE_MIN_BYTES and storage.spares_enabled(d := next(iter(o.devices())))]
     return out
 
 

@@ -132,10 +132,9 @@ SPARE_MIN_BYTES = 4 << 20
 SPARE_POOL_BYTES = 1 << 30
 
 
-def spares_enabled() -> bool:
-    from torchbridge.device.runtime import STATE
-
-    return STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_SPARE_BUFFERS", "1") != "0"
+def spares_enabled(device: Any) -> bool:
+    """For buffers on this jax device: JAX's CPU platform only (other platforms' allocators cache)."""
+    return device.platform == "cpu" and os.environ.get("TORCHBRIDGE_SPARE_BUFFERS", "1") != "0"
 
 
 class SparePool:
@@ -149,9 +148,10 @@ class SparePool:
         return tuple(shape), jnp.dtype(dtype), device
 
     def put(self, buf: jax.Array) -> None:
-        if not spares_enabled() or buf.is_deleted() or buf.nbytes > SPARE_POOL_BYTES:
+        device = next(iter(buf.devices()))
+        if not spares_enabled(device) or buf.is_deleted() or buf.nbytes > SPARE_POOL_BYTES:
             return
-        key = self.key(buf.shape, buf.dtype, next(iter(buf.devices())))
+        key = self.key(buf.shape, buf.dtype, device)
         self._free.setdefault(key, []).append(buf)
         self._order.append((key, buf))
         self.nbytes += buf.nbytes
