@@ -362,7 +362,8 @@ def run_dlrm(quick: bool, steps: int, busy: bool, write: str | None, argv: list[
                f"before, {load_after} after")
     print(summary, flush=True)
     if write:
-        body = (f"## Jagged DLRM training\n\nCommand: `python bench/bench_compile.py {' '.join(argv)}`.\n\n"
+        title = "Jagged DLRM training, a busy neighbour on one core" if busy else "Jagged DLRM training"
+        body = (f"## {title}\n\nCommand: `python bench/bench_compile.py {' '.join(argv)}`.\n\n"
                 f"DLRM-style model (bench/compile_workloads.py): three EmbeddingBags ({tables} rows x {dim}),"
                 f" batch {batch}, each bag 0-{max_bag} indices, so every table's index list has a new length at"
                 f" every step; pairwise interaction; Adagrad, the step compiled too. Both arms with default"
