@@ -30,31 +30,33 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 128))
 
 
-@pytest.mark.parametrize("variant,make", [
-    ("foreach", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
-    ("fused", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
-    # Adam's L2 decay (g + wd p, a graph value the one-pass call reads) and maximize (-g)
-    ("foreach", lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True, **kw)),
-], ids=["adamw-foreach", "adamw-fused", "adam-l2-maximize-foreach"])
-def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, make, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def programs(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The compiled programs of the test, as the backend builds them (for their optimised HLO)."""
     if not host_calls.enabled():
         pytest.skip("the one-pass update is a custom call of JAX's CPU platform (host kernels on)")
-    programs = []
+    built = []
     compile_graph = compile_backend.compile_graph
 
     def spy(gm, example_inputs, forward=False):
         program = compile_graph(gm, example_inputs, forward)
-        programs.append(program)
+        built.append(program)
         return program
 
     monkeypatch.setattr(compile_backend, "compile_graph", spy)
-    torch.manual_seed(0)
-    cpu = _model()
-    dev = copy.deepcopy(cpu).to(DEV)
-    opt_cpu = make(cpu.parameters(), foreach=False)
-    opt_dev = make(dev.parameters(), **{variant: True})
-    # (torch.compile of a fused step runs _fused_adamw_ eagerly: torch.compiler.disable in torch.optim)
-    step = torch.compile(opt_dev.step, backend="tpu") if variant == "foreach" else opt_dev.step
+    return built
+
+
+def _assert_one_pass(hlo: str, target: str) -> None:
+    """One custom call per large parameter, and no XLA loop over a large parameter's elements beside it."""
+    assert hlo.count(f'custom_call_target="{target}"') == 2, hlo
+    for shape in ("f32[128,256]", "f32[32768]", "f32[128,128]", "f32[16384]"):
+        loops = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* fusion\(", line)]
+        assert not loops, loops
+
+
+def _train_alongside(cpu: nn.Module, dev: nn.Module, opt_cpu, opt_dev, step, state: tuple[str, ...]) -> None:
+    """Four steps on both; after each, parameters and optimizer state `state` equal CPU's."""
     for _ in range(4):
         x = torch.randn(32, 256)
         opt_cpu.zero_grad()
@@ -67,19 +69,31 @@ def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, 
         # normalised update by ~1e-7, instead of compounding over the steps (maximize grows them)
         for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
             torch.testing.assert_close(p_dev.detach().cpu(), p_ref.detach(), atol=1e-5, rtol=1e-4)
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in state:
                 torch.testing.assert_close(opt_dev.state[p_dev][k].cpu(), opt_cpu.state[p_ref][k], atol=1e-5,
                                            rtol=1e-4)
             with torch.no_grad():
                 p_ref.copy_(p_dev.cpu())
+
+
+@pytest.mark.parametrize("variant,make", [
+    ("foreach", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
+    ("fused", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
+    # Adam's L2 decay (g + wd p, a graph value the one-pass call reads) and maximize (-g)
+    ("foreach", lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True, **kw)),
+], ids=["adamw-foreach", "adamw-fused", "adam-l2-maximize-foreach"])
+def test_compiled_adamw_is_one_pass_per_parameter_and_matches_cpu(variant: str, make, programs: list) -> None:
+    torch.manual_seed(0)
+    cpu = _model()
+    dev = copy.deepcopy(cpu).to(DEV)
+    opt_cpu = make(cpu.parameters(), foreach=False)
+    opt_dev = make(dev.parameters(), **{variant: True})
+    # (torch.compile of a fused step runs _fused_adamw_ eagerly: torch.compiler.disable in torch.optim)
+    step = torch.compile(opt_dev.step, backend="tpu") if variant == "foreach" else opt_dev.step
+    _train_alongside(cpu, dev, opt_cpu, opt_dev, step, ("exp_avg", "exp_avg_sq"))
     hlo = "\n".join(text for p in programs for text in p.program.hlo_texts()) if variant == "foreach" else \
         _fused_adamw_hlo([tuple(p.shape) for p in dev.parameters()])
-    # one custom call per large parameter, writing its three arrays ...
-    assert hlo.count('custom_call_target="torchbridge_adam_step"') == 2, hlo
-    # ... and no XLA loop over a large parameter's elements left beside it (the old lowering had three)
-    for shape in ("f32[128,256]", "f32[32768]", "f32[128,128]", "f32[16384]"):
-        loops = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* fusion\(", line)]
-        assert not loops, loops
+    _assert_one_pass(hlo, "torchbridge_adam_step")  # the old lowering had three loops per parameter
 
 
 def _fused_adamw_hlo(shapes: list[tuple[int, ...]]) -> str:
@@ -102,42 +116,14 @@ def _fused_adamw_hlo(shapes: list[tuple[int, ...]]) -> str:
     # weight decay (g + wd p) and lr decay (a per-step factor), and maximize (-g)
     {"weight_decay": 0.1, "lr_decay": 0.01, "maximize": True},
 ], ids=["plain", "decay-maximize"])
-def test_compiled_adagrad_is_one_pass_per_parameter_and_matches_cpu(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_adagrad_is_one_pass_per_parameter_and_matches_cpu(kw: dict, programs: list) -> None:
     """Adagrad the same way (host_calls.adagrad_update, patterns.find_adagrad_writes), against CPU
     torch.optim.Adagrad's single-tensor loop."""
-    if not host_calls.enabled():
-        pytest.skip("the one-pass update is a custom call of JAX's CPU platform (host kernels on)")
-    programs = []
-    compile_graph = compile_backend.compile_graph
-
-    def spy(gm, example_inputs, forward=False):
-        program = compile_graph(gm, example_inputs, forward)
-        programs.append(program)
-        return program
-
-    monkeypatch.setattr(compile_backend, "compile_graph", spy)
     torch.manual_seed(0)
     cpu = _model()
     dev = copy.deepcopy(cpu).to(DEV)
     opt_cpu = torch.optim.Adagrad(cpu.parameters(), lr=1e-2, foreach=False, **kw)
     opt_dev = torch.optim.Adagrad(dev.parameters(), lr=1e-2, foreach=True, **kw)
     step = torch.compile(opt_dev.step, backend="tpu")
-    for _ in range(4):
-        x = torch.randn(32, 256)
-        opt_cpu.zero_grad()
-        cpu(x).square().sum().backward()
-        opt_cpu.step()
-        opt_dev.zero_grad()
-        dev(x.to(DEV)).square().sum().backward()
-        step()
-        for p_ref, p_dev in zip(cpu.parameters(), dev.parameters(), strict=True):
-            torch.testing.assert_close(p_dev.detach().cpu(), p_ref.detach(), atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(opt_dev.state[p_dev]["sum"].cpu(), opt_cpu.state[p_ref]["sum"], atol=1e-5,
-                                       rtol=1e-4)
-            with torch.no_grad():
-                p_ref.copy_(p_dev.cpu())
-    hlo = "\n".join(text for p in programs for text in p.program.hlo_texts())
-    assert hlo.count('custom_call_target="torchbridge_adagrad_step"') == 2, hlo
-    for shape in ("f32[128,256]", "f32[32768]", "f32[128,128]", "f32[16384]"):
-        loops = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* fusion\(", line)]
-        assert not loops, loops
+    _train_alongside(cpu, dev, opt_cpu, opt_dev, step, ("sum",))
+    _assert_one_pass("\n".join(text for p in programs for text in p.program.hlo_texts()), "torchbridge_adagrad_step")
