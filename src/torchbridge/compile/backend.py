@@ -172,9 +172,7 @@ class GraphProgram:
             flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
             call = (tuple(bufs), tuple(hosts), tuple(consts), rng)
-            bufs.clear()
             flat_out = fn(*call) if plan is not None else _call_recycling(fn, call)
-            call = None
             if plan is not None:
                 flat_out = jax.tree.map(spmd.local, flat_out)
             STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
@@ -334,7 +332,8 @@ class GraphProgram:
                 in_place = all(i in donated for i in (a.param, a.exp_avg, a.exp_avg_sq))
                 written[a.param], written[a.exp_avg], written[a.exp_avg_sq] = _adam_update(a, env, in_place)
             for a in self.adagrad:
-                written[a.param], written[a.state_sum] = _adagrad_update(a, env, donated)
+                in_place = a.param in donated and a.state_sum in donated
+                written[a.param], written[a.state_sum] = _adagrad_update(a, env, in_place)
             new_dev, new_host = [], []
             for i in self.writes:
                 node, d = self.placeholders[i], descs[i]
@@ -427,29 +426,30 @@ class GraphProgram:
         return _cast_like(res[0] if lowering.mutates else res, val)
 
 
+def _pattern_scalar(pair: tuple, env: dict) -> Any:
+    """A matched pattern's per-parameter scalar, (number or node, element or None), as a value."""
+    x, i = pair
+    x = env[x] if isinstance(x, torch.fx.Node) else x
+    return x if i is None else x[i]
+
+
 def _adam_update(a: patterns.AdamWrite, env: dict, in_place: bool) -> tuple[Any, Any, Any]:
     """(p', m', v') of one matched Adam/AdamW update, in one pass over the arrays (over the old ones
     where the program donates them: `in_place`)."""
-    def scalar(pair: tuple) -> Any:
-        x, i = pair
-        x = env[x] if isinstance(x, torch.fx.Node) else x
-        return x if i is None else x[i]
-
     s = a.scalars
     p, g, m, v = (env[a.nodes[k]] for k in ("p", "g", "m", "v"))
     return host_calls.adam_update(p, g, m, v, decay=s["decay"], l2=s["l2"], w1=s["w1"], beta2=s["beta2"], w2=s["w2"],
-                                  step_size=-scalar(s["step_value"]), bc2_sqrt=scalar(s["bc2_sqrt"]), eps=s["eps"],
-                                  gscale=s["gscale"], in_place=in_place)
+                                  step_size=-_pattern_scalar(s["step_value"], env),
+                                  bc2_sqrt=_pattern_scalar(s["bc2_sqrt"], env), eps=s["eps"], gscale=s["gscale"],
+                                  in_place=in_place)
 
 
-def _adagrad_update(a: patterns.AdagradWrite, env: dict, donated: frozenset[int]) -> tuple[Any, Any]:
-    """(p', s') of one matched Adagrad update, in one pass (in place where both are donated)."""
-    x, i = a.scalars["clr"]
-    x = env[x] if isinstance(x, torch.fx.Node) else x
-    clr = x if i is None else x[i]
-    return host_calls.adagrad_update(env[a.nodes["p"]], env[a.nodes["g"]], env[a.nodes["s"]], clr=clr,
-                                     eps=a.scalars["eps"], l2=a.scalars["l2"], gscale=a.scalars["gscale"],
-                                     in_place=a.param in donated and a.state_sum in donated)
+def _adagrad_update(a: patterns.AdagradWrite, env: dict, in_place: bool) -> tuple[Any, Any]:
+    """(p', s') of one matched Adagrad update, in one pass (over the old arrays: `in_place`)."""
+    s = a.scalars
+    return host_calls.adagrad_update(env[a.nodes["p"]], env[a.nodes["g"]], env[a.nodes["s"]],
+                                     clr=_pattern_scalar(s["clr"], env), eps=s["eps"], l2=s["l2"],
+                                     gscale=s["gscale"], in_place=in_place)
 
 
 def _traced(node: torch.fx.Node, fn: Any, args: Any, kwargs: dict, key: Any = None, axes: dict | None = None,
@@ -666,15 +666,13 @@ class _Executable:
             raw = self.raw
             jitted = jax.jit(lambda _spares, *args: raw(*args), donate_argnums=(0,), keep_unused=True)
             compiled = jitted.lower(tuple(spares), *call).compile()
-            spare_bytes = sum(b.nbytes for b in spares)
-            self._recycling = None if 4 * donation.copied_bytes(compiled.as_text()) >= spare_bytes else compiled
+            self._recycling = donation.unless_copying(compiled, sum(b.nbytes for b in spares))
         return self._recycling
 
     def donating(self, positions: tuple[int, ...], args: tuple, slot: dict[int, int]) -> Any:
         """The program donating the buffers at `positions`, compiled for `args` (its call's arguments;
-        `slot`: graph input -> buffer position), or None where donation does not pay: XLA kept the old
-        values alive with copies of a quarter or more of the donated bytes (the fresh-buffer program is
-        then the faster one: RMSprop 29 vs 66 ms per step of 25M parameters, measured)."""
+        `slot`: graph input -> buffer position), or None where donation does not pay
+        (donation.unless_copying)."""
         if positions not in self._donating:
             at = set(positions)
             token = _DONATED.set(frozenset(i for i, k in slot.items() if k in at))  # read while tracing
@@ -682,9 +680,7 @@ class _Executable:
                 compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
             finally:
                 _DONATED.reset(token)
-            donated = sum(b.nbytes for b in args[0])
-            self._donating[positions] = (None if 4 * donation.copied_bytes(compiled.as_text()) >= donated
-                                         else compiled)
+            self._donating[positions] = donation.unless_copying(compiled, sum(b.nbytes for b in args[0]))
         return self._donating[positions]
 
 

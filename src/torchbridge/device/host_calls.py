@@ -230,16 +230,9 @@ def adam_update(p: Any, g: Any, m: Any, v: Any, *, decay: Any, l2: Any, w1: floa
     `in_place`: the call's results alias p, m and v (ask it only where the program donates all three:
     XLA copies an operand it may not overwrite before the call)."""
     arrays = (p, g, m, v)
-    if (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
-            and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays)):
-        coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in (decay, l2, w1, beta2, w2, step_size,
-                                                                            bc2_sqrt, eps, gscale)])
-        # on the flat arrays (the update is elementwise): a program's flat input buffers then reach the
-        # call without a relayout copy, which in place would also copy the results back
-        outs = tuple(jax.ShapeDtypeStruct((p.size,), p.dtype) for _ in range(3))
-        aliases = {0: 0, 2: 1, 3: 2} if in_place else None
-        flat = jax.ffi.ffi_call(_ADAM, outs, input_output_aliases=aliases)(*(x.reshape(-1) for x in arrays), coef)
-        return tuple(x.reshape(p.shape) for x in flat)
+    if _one_pass_fits(arrays):
+        return _one_pass(_ADAM, arrays, (decay, l2, w1, beta2, w2, step_size, bc2_sqrt, eps, gscale),
+                         {0: 0, 2: 1, 3: 2} if in_place else None)
     dt = p.dtype
     if gscale != 1:
         g = g * gscale
@@ -261,19 +254,34 @@ def adagrad_update(p: Any, g: Any, s: Any, *, clr: Any, eps: float, l2: float = 
     recomputing or re-reading s'). `in_place`: the results alias p and s (only where the program
     donates both)."""
     arrays = (p, g, s)
-    if (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
-            and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays)):
-        coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in (clr, eps, l2, gscale)])
-        outs = tuple(jax.ShapeDtypeStruct((p.size,), p.dtype) for _ in range(2))
-        aliases = {0: 0, 2: 1} if in_place else None
-        flat = jax.ffi.ffi_call(_ADAGRAD, outs, input_output_aliases=aliases)(*(x.reshape(-1) for x in arrays), coef)
-        return tuple(x.reshape(p.shape) for x in flat)
+    if _one_pass_fits(arrays):
+        return _one_pass(_ADAGRAD, arrays, (clr, eps, l2, gscale), {0: 0, 2: 1} if in_place else None)
     if gscale != 1:
         g = g * gscale
     if l2 != 0:
         g = g + jnp.asarray(l2, p.dtype) * p
     s = s + g * g
     return p + (g * jnp.asarray(clr, p.dtype)) / (jnp.sqrt(s) + eps), s
+
+
+def _one_pass_fits(arrays: tuple) -> bool:
+    """Whether an optimizer's one-pass custom call serves these arrays (a parameter first, its gradient
+    and state after): CPU platform, float32/float64, large enough, all of one shape and dtype."""
+    p = arrays[0]
+    return (enabled() and p.dtype in (jnp.float32, jnp.float64) and p.size >= ADAM_MIN_ELEMENTS
+            and all(x.dtype == p.dtype and x.shape == p.shape for x in arrays))
+
+
+def _one_pass(target: str, arrays: tuple, coefs: tuple, aliases: dict[int, int] | None) -> tuple:
+    """The custom call `target` over `arrays` and its float64 coefficients: one result per aliasable
+    array (the parameter and its state, not the gradient), each of the parameter's shape. It runs on the
+    flat arrays (the update is elementwise): a program's flat input buffers then reach the call without
+    a relayout copy, which in place (`aliases`: operand -> result) would also copy the results back."""
+    p = arrays[0]
+    coef = jnp.stack([jnp.asarray(x, jnp.float64).reshape(()) for x in coefs])
+    outs = tuple(jax.ShapeDtypeStruct((p.size,), p.dtype) for _ in range(len(arrays) - 1))
+    flat = jax.ffi.ffi_call(target, outs, input_output_aliases=aliases)(*(x.reshape(-1) for x in arrays), coef)
+    return tuple(x.reshape(p.shape) for x in flat)
 
 
 def _mask(bias: Any, dtype: Any) -> Any:
