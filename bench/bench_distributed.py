@@ -196,6 +196,15 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(int(os.environ.get("BENCH_PROFILE", "35")))
     if os.environ.get("BENCH_PHASES"):  # per-phase time, each phase synchronised (rank 0 prints medians)
         _phases(setups, rank, int(os.environ["BENCH_PHASES"]))
+    if os.environ.get("BENCH_TRACE"):  # a jax.profiler trace of two free-running bridge steps per rank
+        import jax
+
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        jax.profiler.start_trace(f"{os.environ['BENCH_TRACE']}/rank{rank}", profiler_options=opts)
+        for _ in range(2):
+            step("bridge")
+        jax.profiler.stop_trace()
     for _ in range(rounds):
         for arm in times:
             dist.barrier()
