@@ -205,13 +205,17 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
         for _ in range(2):
             step("bridge")
         jax.profiler.stop_trace()
+    busy: dict[str, list[float]] = {"bridge": [], "inductor": []}  # CPU seconds per wall second, this rank
     for _ in range(rounds):
         for arm in times:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step(arm)
             times[arm].append((time.perf_counter() - t0) / steps)
+            busy[arm].append((time.process_time() - c0) / (time.perf_counter() - t0))
+    print(f"rank {rank}: CPU busy per wall second, median: "
+          + ", ".join(f"{arm} {statistics.median(v):.2f}" for arm, v in busy.items()), flush=True)
     if rank == 0:
         (out / "fsdp.json").write_text(json.dumps({"world": world, "params": params, "times": times,
                                                    "losses": losses}))

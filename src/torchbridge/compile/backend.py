@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 from torchbridge.compile import bounded, flex, functionalized, patterns, rng_state, spmd
 from torchbridge.device import donation, dtypes, host_calls, storage, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.runtime import STATE
+from torchbridge.device.runtime import STATE, collective_stream
 
 log = logging.getLogger(__name__)
 compile_counter: Counter[str] = Counter()
@@ -172,9 +172,12 @@ class GraphProgram:
             flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
         else:
             call = (tuple(bufs), tuple(hosts), tuple(consts), rng)
-            flat_out = fn(*call) if plan is not None else _call_recycling(fn, call)
             if plan is not None:
-                flat_out = jax.tree.map(spmd.local, flat_out)
+                with collective_stream():
+                    flat_out = jax.tree.map(spmd.local, fn(*call))
+                STATE.last_collective[plan.device.id] = flat_out
+            else:
+                flat_out = _call_recycling(fn, call)
             STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
         results: list[Any] = [None] * len(out_meta)
         it = iter(flat_out)
@@ -234,10 +237,13 @@ class GraphProgram:
             compile_counter["donated_calls"] += 1
             bufs.clear()
             new_dev, outs, new_host = run(*call)
+        elif plan is not None:
+            with collective_stream():
+                new_dev, outs, new_host = jax.tree.map(spmd.local, fn(tuple(bufs), tuple(hosts), tuple(consts), rng))
+            STATE.last_collective[plan.device.id] = (new_dev, outs)
         else:
             new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
         if plan is not None:
-            new_dev, outs, new_host = jax.tree.map(spmd.local, (new_dev, outs, new_host))
             new_host = tuple(h.reshape(np.shape(args[i])) for i, h in zip((i for i in self.writes if i not in slot),
                                                                             new_host, strict=True))
         # what torch.tpu.synchronize() waits on: the outputs and the written buffers (an optimizer step

@@ -76,6 +76,10 @@ def synchronize(device: int | str | torch.device | None = None) -> None:
     pending = STATE.last_results.get(_index(device))
     if pending is not None:
         jax.block_until_ready(pending)
+    if STATE.last_collective:
+        pending = STATE.last_collective.get(STATE.jax_device(_index(device)).id)
+        if pending is not None:
+            jax.block_until_ready(pending)
 
 
 def manual_seed(seed: int) -> None:

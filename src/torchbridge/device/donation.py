@@ -21,15 +21,18 @@ DONATE_BYTES = 1 << 20  # smaller buffers are cheaper to copy than to reason abo
 
 def sole_holders(bufs: list, positions: Any, dev_index: int) -> list[int]:
     """Of `positions` in `bufs`, those whose buffer nothing but the table and `bufs` references.
-    The device's completion marker (what synchronize() waits on) is dropped first if it holds one of
-    them: newer results replace it anyway. Callers must not keep other references (loop variables)."""
-    last = STATE.last_results.get(dev_index)
-    if last is not None:
-        held = set()
-        _ids(last, held)
-        if any(id(bufs[k]) in held for k in positions):
-            STATE.last_results[dev_index] = None
-    last = None
+    The device's completion markers (what synchronize() waits on: the last results, the last
+    collective's) are dropped first if they hold one of them: the program that takes the buffer waits
+    for it, and synchronize() waits for that program. Callers must not keep other references (loop
+    variables)."""
+    for markers, key in ((STATE.last_results, dev_index), (STATE.last_collective, STATE.jax_device(dev_index).id)):
+        last = markers.get(key)
+        if last is not None:
+            held: set[int] = set()
+            _ids(last, held)
+            if any(id(bufs[k]) in held for k in positions):
+                markers[key] = None
+        last = None
     # references: the table, `bufs`, getrefcount's argument
     return [k for k in positions if sys.getrefcount(bufs[k]) <= 3]
 

@@ -6,12 +6,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import cached_property
+from typing import Any
 
 import jax
 import numpy as np
+from jaxlib.xla_client import execution_stream_id
 
 from torchbridge.device import native
 from torchbridge.device.storage import BufferTable
+
+# XLA's execution stream for programs that contain collectives (compute runs on stream 0): such a
+# program waits for compute only through the buffers it reads, and compute does not queue behind a
+# collective waiting for its peers. Collectives stay in dispatch order among themselves, on every rank.
+COLLECTIVE_STREAM = 1
+
+
+def collective_stream() -> Any:
+    """Dispatch the programs called inside on the collective stream."""
+    return execution_stream_id(COLLECTIVE_STREAM)
 
 
 class _State:
@@ -24,6 +36,9 @@ class _State:
         # The newest results per device: a device runs programs in dispatch order, so waiting on
         # these waits for everything queued before them.
         self.last_results: dict[int, object] = {}
+        # The newest collective's result per JAX device id: collectives run in order on a stream of
+        # their own (distributed/collectives.py), so synchronize() waits on both.
+        self.last_collective: dict[int, object] = {}
 
     # Run once, just before the JAX backend starts (the device registers without starting it): JAX's
     # distributed runtime must be initialized before the backend, so torchbridge.distributed adds its

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -110,6 +111,46 @@ def run_async():
 
 
 case("all_reduce async_op", run_async)
+
+
+def run_late_peers():
+    """Rank 0 dispatches first and only then lets the other ranks start theirs (through the store): a
+    collective that held its caller until every peer had arrived (XLA:CPU ran flop-free programs inline)
+    leaves the others waiting for a key that never comes; after 15 s they join anyway (every rank runs
+    the same sequence of collectives whatever happens) and the case fails."""
+    store = dist.distributed_c10d._get_default_store()
+    cases = (
+        ("all_reduce", lambda d, o: dist.all_reduce(d), lambda x: (dist.all_reduce(x, group=GLOO), x)[1], 64),
+        ("all_gather_into_tensor", lambda d, o: dist.all_gather_into_tensor(o, d),
+         lambda x: (dist.all_gather_into_tensor(g := torch.empty(WORLD * 64), x, group=GLOO), g)[1], WORLD * 64),
+        ("reduce_scatter_tensor", lambda d, o: dist.reduce_scatter_tensor(o, d),
+         lambda x: (dist.reduce_scatter_tensor(g := torch.empty(64 // WORLD), x, group=GLOO), g)[1], 64 // WORLD))
+    problems = []
+    for k, (name, call, ref, out_numel) in enumerate(cases):
+        x = inputs((64,), torch.float32, 20 + k)
+        d, o = x.to(DEV), torch.empty(out_numel, device=DEV)
+        # every rank compiles and runs this program once first: the timed-out wait must be the dispatch's
+        call(d.clone(), o)
+        torch.tpu.synchronize()
+        dist.barrier()
+        key = f"late-peers/{k}"
+        if RANK == 0:
+            call(d, o)
+            store.set(key, "dispatched")  # reached only if the call returned before the peers joined
+        else:
+            try:
+                store.wait([key], timedelta(seconds=15))
+            except Exception as e:  # noqa: BLE001 - reported below, after joining the collective
+                problems.append(f"{name}: rank 0's call did not return before this rank joined ({e})")
+            call(d, o)
+        ok, detail = same(o if name != "all_reduce" else d, ref(x.clone()), exact=False)
+        if not ok:
+            problems.append(f"{name}: {detail}")
+    return not problems, "; ".join(problems)
+
+
+if os.environ.get("TORCHBRIDGE_COLLECTIVES") != "host":  # host copies through gloo wait by design
+    case("late peers: a collective returns before its peers arrive", run_late_peers)
 
 
 def run_coalesced():
