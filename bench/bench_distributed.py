@@ -139,7 +139,7 @@ def worker_fsdp(out: Path, rounds: int, steps: int) -> None:
     tiny_llama.use_bench_shape()
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
+    dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]) % torch.tpu.device_count())
     torch.tpu.set_device(dev)
     setups = {}
     for arm, d, backend in (("bridge", dev, "tpu"), ("inductor", torch.device("cpu"), "inductor")):
@@ -263,9 +263,11 @@ def _phases(setups: dict, rank: int, rounds: int) -> None:
 
 
 # ---- driver --------------------------------------------------------------------------------------
-def _launch(nproc: int, args: list[str], port: int) -> None:
+def _launch(nproc: int, args: list[str], port: int, chips: int | None = None) -> None:
+    """torchrun with `nproc` ranks on this host; each process emulates `chips` CPU devices (default nproc)."""
     extra = os.environ.get("BENCH_XLA_FLAGS", "")  # e.g. threading flags to compare
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={nproc} {extra}".strip(),
+    chips = nproc if chips is None else chips
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={chips} {extra}".strip(),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={port}", __file__, *args]
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.fsdp:
             _launch(args.nproc, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps",
-                                 str(args.steps)], 29960)
+                                 str(args.steps)], 29960, chips=int(os.environ.get("BENCH_CHIPS", "0")) or None)
             data = json.loads((Path(tmp) / "fsdp.json").read_text())
             t = data["times"]
             speed = sorted(a / b for a, b in zip(t["inductor"], t["bridge"], strict=True))
