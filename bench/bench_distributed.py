@@ -16,7 +16,9 @@ torch.compile (inductor) on CPU tensors with gloo, both in the same processes, a
 round. Reported: step time medians and bridge speed-up (inductor time / bridge time) with its range.
 
 The script launches torchrun itself (127.0.0.1); one OpenMP/XLA thread per rank (two ranks fill the
-two cores of the machine this was written on).
+two cores of the machine this was written on). The FSDP2 job gives each process one emulated chip (its
+`tpu:0`, as on a TPU host with a process per chip; BENCH_CHIPS=N for N): XLA:CPU sizes its thread pools
+by max(cores, emulated chips), so N chips on a rank's one pinned core would run N compute threads there.
 """
 
 from __future__ import annotations
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.fsdp:
             _launch(args.nproc, ["--worker", "fsdp", "--out", tmp, "--rounds", str(args.rounds), "--steps",
-                                 str(args.steps)], 29960, chips=int(os.environ.get("BENCH_CHIPS", "0")) or None)
+                                 str(args.steps)], 29960, chips=int(os.environ.get("BENCH_CHIPS", "1")))
             data = json.loads((Path(tmp) / "fsdp.json").read_text())
             t = data["times"]
             speed = sorted(a / b for a, b in zip(t["inductor"], t["bridge"], strict=True))
