@@ -169,10 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dlrm", action="store_true", help="jagged DLRM training, steps/s vs Inductor, instead")
     ap.add_argument("--steps", type=int, default=200, help="--dlrm: timed steps")
     ap.add_argument("--neighbour", action="store_true", help="--sweep/--dlrm: a busy-loop process on one core")
+    ap.add_argument("--heatmap-from", default=None, metavar="MD",
+                    help="redraw <MD stem>_sweep.png from every sweep cell in MD's tables, then exit")
     for axis in ("batch", "seq", "hidden"):
         ap.add_argument(f"--sweep-{axis}", default=None, help=f"--sweep: only these {axis} values (comma-separated)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    if args.heatmap_from:
+        md = Path(args.heatmap_from)
+        n = compile_workloads.heatmap_from_tables(md, md.with_name(md.stem + "_sweep.png"))
+        print(f"{n} cells drawn")
+        return 0
     if args.sweep:
         only = {axis: tuple(int(v) for v in getattr(args, f"sweep_{axis}").split(","))
                 for axis in ("batch", "seq", "hidden") if getattr(args, f"sweep_{axis}")}

@@ -226,6 +226,22 @@ def _heatmap(cells: list[Cell], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def heatmap_from_tables(md: Path, png: Path) -> int:
+    """Redraw the sweep heat map from every quiet-machine cell in `md`'s sweep tables (the sections
+    before the busy-neighbour one), so cells measured in separate runs appear in one picture."""
+    import re
+
+    text = md.read_text().split("## Shape sweep with a busy neighbour")[0]
+    row = re.compile(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+x \| ([\d.]+) \| ([\d.]+) \| [\d.]+x \|",
+                     re.M)
+    cells: dict[tuple[int, int, int], Cell] = {}
+    for h, s, b, fb, fi, tb, ti in row.findall(text):
+        cells[(int(h), int(s), int(b))] = Cell(int(h), int(s), int(b), {
+            "forward": {"bridge": float(fb), "inductor": float(fi)}, "train": {"bridge": float(tb), "inductor": float(ti)}})
+    _heatmap(list(cells.values()), png, f"bridge compiled vs Inductor: the {len(cells)} cells in {md.name}")
+    return len(cells)
+
+
 def replace_section(path: Path, name: str, body: str) -> None:
     """Put `body` between this section's markers in `path`, replacing an earlier run's (or append it)."""
     start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
