@@ -78,10 +78,10 @@ def ensure(name: str, version: str, extra: tuple[str, ...] = (), timeout: float 
     venv = PEERS / f"{name}-{version}"
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
+    wanted = [TORCH, *(pin(d) for d in DEVICE_DEPS), f"{name}=={version}", *extra]
     # the base is part of the stamp: an environment made over another interpreter's packages is redone
-    wanted = [TORCH, *(pin(d) for d in DEVICE_DEPS), f"{name}=={version}", *extra,
-              f"base={sysconfig.get_paths()['purelib']}"]
-    if not stamp.exists() or stamp.read_text().split() != wanted:
+    base = f"base={sysconfig.get_paths()['purelib']}"
+    if not stamp.exists() or stamp.read_text().split() != [*wanted, base]:
         PEERS.mkdir(parents=True, exist_ok=True)
         if not python.exists():
             _run([sys.executable, "-m", "venv", str(venv)], f"creating {venv}", 300)
@@ -89,8 +89,8 @@ def ensure(name: str, version: str, extra: tuple[str, ...] = (), timeout: float 
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         # torch first and pinned: an unpinned one would pull a CUDA build (Makefile's reasoning)
         _run([*pip, TORCH], f"installing {TORCH} into {venv}", timeout)
-        _run([*pip, *wanted[:-1]], f"installing {name}=={version} into {venv}", timeout)
-        stamp.write_text(" ".join(wanted) + "\n")
+        _run([*pip, *wanted], f"installing {name}=={version} into {venv}", timeout)
+        stamp.write_text(" ".join([*wanted, base]) + "\n")
     if _editable_location(python) != REPO.as_uri():
         _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
               "-e", str(REPO)], f"installing torchbridge ({REPO}) into {venv}", 600)

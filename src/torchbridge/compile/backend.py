@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 from torchbridge.compile import bounded, flex, functionalized, patterns, rng_state, spmd
 from torchbridge.device import donation, dtypes, host_calls, storage, views
 from torchbridge.device.lowerings import registry
-from torchbridge.device.runtime import STATE, collective_stream
+from torchbridge.device.runtime import STATE, run_collective
 
 log = logging.getLogger(__name__)
 compile_counter: Counter[str] = Counter()
@@ -173,9 +173,7 @@ class GraphProgram:
         else:
             call = (tuple(bufs), tuple(hosts), tuple(consts), rng)
             if plan is not None:
-                with collective_stream():
-                    flat_out = jax.tree.map(spmd.local, fn(*call))
-                STATE.last_collective[plan.device.id] = flat_out
+                flat_out = run_collective(plan.device.id, lambda: jax.tree.map(spmd.local, fn(*call)))
             else:
                 flat_out = _call_recycling(fn, call)
             STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
@@ -238,9 +236,8 @@ class GraphProgram:
             bufs.clear()
             new_dev, outs, new_host = run(*call)
         elif plan is not None:
-            with collective_stream():
-                new_dev, outs, new_host = jax.tree.map(spmd.local, fn(tuple(bufs), tuple(hosts), tuple(consts), rng))
-            STATE.last_collective[plan.device.id] = (new_dev, outs)
+            new_dev, outs, new_host = run_collective(
+                plan.device.id, lambda: jax.tree.map(spmd.local, fn(tuple(bufs), tuple(hosts), tuple(consts), rng)))
         else:
             new_dev, outs, new_host = fn(tuple(bufs), tuple(hosts), tuple(consts), rng)
         if plan is not None:

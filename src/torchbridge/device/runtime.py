@@ -21,9 +21,13 @@ from torchbridge.device.storage import BufferTable
 COLLECTIVE_STREAM = 1
 
 
-def collective_stream() -> Any:
-    """Dispatch the programs called inside on the collective stream."""
-    return execution_stream_id(COLLECTIVE_STREAM)
+def run_collective(device_id: int, call: Callable[[], Any]) -> Any:
+    """`call()` (it dispatches a program with collectives) on the collective stream; its result becomes
+    the collective marker of JAX device `device_id`, which synchronize() waits on."""
+    with execution_stream_id(COLLECTIVE_STREAM):
+        out = call()
+    STATE.last_collective[device_id] = out
+    return out
 
 
 class _State:

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torchbridge.device.runtime import STATE, collective_stream
+from torchbridge.device.runtime import run_collective
 from torchbridge.distributed.mesh import AXIS
 
 REDUCE_OPS = ("sum", "avg", "premul_sum", "max", "min", "product", "band", "bor", "bxor")
@@ -51,10 +51,7 @@ def _run(name: str, mesh: Mesh, x: jax.Array, body: Callable[[jax.Array], jax.Ar
     size = mesh.devices.size
     sharding = NamedSharding(mesh, P(AXIS))
     glob = jax.make_array_from_single_device_arrays((size * x.shape[0], *x.shape[1:]), sharding, [x])
-    with collective_stream():
-        out = fn(glob, _ballast(mesh, sharding, x))[0].addressable_data(0)
-    STATE.last_collective[x.devices().pop().id] = out
-    return out
+    return run_collective(x.devices().pop().id, lambda: fn(glob, _ballast(mesh, sharding, x))[0].addressable_data(0))
 
 
 # XLA:CPU runs a program it estimates at under 1000 flops inline on the dispatching thread, and a
