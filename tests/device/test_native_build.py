@@ -34,3 +34,22 @@ def test_the_build_compiles_copies_kept_in_the_cache() -> None:
     for src in native._SOURCES:
         assert str(build / "csrc" / src.name) in ninja
         assert str(src) not in ninja
+
+
+def test_each_torch_installation_gets_its_own_build(monkeypatch, tmp_path) -> None:
+    """The build's command line names torch's include and library directories: an environment with its
+    own copy of torch (TorchTitan's peer venv had one) sharing the build directory made ninja rebuild
+    (~55 s) every time the other environment had built last."""
+    import torch
+
+    from torchbridge.device import native
+
+    build = native._build_dir()
+    native.load()
+    ninja = (build / "build.ninja").read_text()
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    assert torch_dir in ninja  # what makes the command line, and so the build, specific to this installation
+    monkeypatch.setenv("TORCHBRIDGE_CACHE", str(tmp_path))  # the other installation's build dir goes here
+    assert native._build_dir().name == build.name  # (same key in another cache root)
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert native._build_dir().name != build.name

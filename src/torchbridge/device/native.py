@@ -21,8 +21,12 @@ def _build_dir() -> Path:
     import jax
     import torch
 
-    # (the last part keeps these builds apart from older ones, which compiled each checkout's own files)
+    # The torch and JAX installations are part of the key, not only their versions: the build's command
+    # line names their include and library directories, so two environments (the project's and a peer's
+    # with its own copy of torch) sharing one build directory rebuilt it each time the other had built
+    # last (~55 s per switch on 2 cores). The last part keeps these builds apart from older ones.
     text = (b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + jax.__version__.encode()
+            + str(Path(torch.__file__).resolve().parent).encode() + jax.ffi.include_dir().encode()
             + " ".join(_CFLAGS).encode() + b"sources copied into the cache")
     digest = hashlib.sha256(text).hexdigest()[:16]
     root = Path(os.environ.get("TORCHBRIDGE_CACHE", Path.home() / ".cache" / "torchbridge"))
