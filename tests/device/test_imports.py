@@ -119,3 +119,22 @@ def test_old_module_names_forward_to_the_new_ones_with_a_warning():
         assert state.STATE is runtime.STATE
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         _ = ops.nothing
+
+
+def test_torchruns_launcher_does_not_register_the_device_but_a_plain_process_does():
+    """torchrun's launcher only starts workers (fresh interpreters that register the device themselves);
+    registering in it too put JAX's and the lowerings' import (~2.4 s) on every job's critical path."""
+    code = ("import sys\n{argv}import torch\n"
+            "print('torchbridge.device.registration' in sys.modules, hasattr(torch, 'tpu'))")
+    env = {**os.environ, "TORCHBRIDGE_DEVICE_NAME": "tpu"}
+    seen = {}
+    for name, argv in (("plain", ""),
+                       ("python -m torch.distributed.run", "sys.orig_argv = [sys.executable, '-m', "
+                        "'torch.distributed.run', '--nproc-per-node=2', 'train.py']\n"),
+                       ("torchrun", "sys.orig_argv = [sys.executable, '/venv/bin/torchrun', 'train.py']\n")):
+        out = subprocess.run([sys.executable, "-c", code.format(argv=argv)], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[name] = out.stdout.split()
+    assert seen == {"plain": ["True", "True"], "python -m torch.distributed.run": ["False", "False"],
+                    "torchrun": ["False", "False"]}, seen
