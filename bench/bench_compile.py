@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {arms[key][0]} | " + " | ".join(f"{res.get(m, float('nan')):.1f}" for m in metrics) + " |")
     ratios = []
     for a, b, label in (("compiled", "inductor", "bridge compiled vs inductor (speedup, >=1.0 is the target)"),
-                        ("eager", "fused", "fused eager vs plain bridge eager (speedup, >=3.0 is the target)")):
+                        ("eager", "fused", "fused eager vs plain bridge eager (speedup, >=3.0 is the target)"),
+                        ("fused", "compiled", "fused eager time / bridge compiled time (<=1.25 is the target)")):
         if a in results and b in results:
             num, den = (results[b], results[a]) if a == "compiled" else (results[a], results[b])
             ratios.append(f"| {label} | " + " | ".join(f"{num[m] / den[m]:.2f}x" for m in metrics) + " |")

@@ -57,6 +57,31 @@ def test_size_bound_flushes(fused_mode, monkeypatch):
     torch.testing.assert_close(x.cpu(), torch.ones(3) * 1.5**20)
 
 
+def test_size_bound_starts_small_after_a_read_and_doubles(fused_mode, monkeypatch):
+    """After a read the first few ops flush at once (the device starts while the host records the rest),
+    then twice as many each time up to MAX_OPS; the next read starts over. Same cuts every iteration."""
+    monkeypatch.setattr(fused, "FIRST_OPS", 4)
+    monkeypatch.setattr(fused, "MAX_OPS", 16)
+    x = torch.ones(3, device=DEV)
+    ref = torch.ones(3)
+    for _ in range(2):  # the second iteration cuts the same sequences: their programs are reused
+        x.cpu()  # a read: the bound starts over
+        cached = fused.stats()["fused_programs"]
+        sizes = []
+        for _ in range(4 + 8 + 16 + 16 + 3):
+            before = fused.stats()
+            x = x * 1.25
+            ref = ref * 1.25
+            after = fused.stats()
+            if after["flushes"] > before["flushes"]:
+                sizes.append(after["ops_fused"] - before["ops_fused"])
+        assert sizes == [4, 8, 16, 16], sizes
+        assert fused.stats()["pending_ops"] == 3
+        torch.testing.assert_close(x.cpu(), ref)
+        assert fused.stats()["size_bound"] == 4
+    assert fused.stats()["fused_programs"] == cached  # nothing new traced in the second iteration
+
+
 def test_training_20_steps_matches_cpu_and_reuses_fused_programs(fused_mode):
     torch.manual_seed(0)
     cpu = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
@@ -88,3 +113,43 @@ def test_host_tensor_mutated_after_transfer_does_not_leak_into_device_copy(fused
     dev = host.to(DEV)  # recorded, not yet run
     host.mul_(100)
     torch.testing.assert_close(dev.cpu(), torch.arange(6.0))
+
+
+def test_host_writes_between_recorded_ops_keep_program_order(fused_mode):
+    """A whole-storage write from the host lands directly in the buffer table while ops are recorded: ops
+    recorded before it read the old values, ops recorded after it the new ones; a storage whose latest
+    value is still a recorded write (its placeholder) gets the host's values, which come after it."""
+    x = torch.zeros(3, device=DEV)
+    x.cpu()
+    before = x + 1  # recorded: reads the zeros
+    x.copy_(torch.tensor([5.0, 6.0, 7.0]))  # direct
+    after = x * 2  # recorded: reads 5, 6, 7
+    assert fused.stats()["pending_ops"] > 0
+    w = torch.ones(3, device=DEV)
+    w.add_(1)  # recorded write: w's buffer is a placeholder now
+    w.copy_(torch.tensor([9.0, 8.0, 7.0]))  # after it in program order
+    w_after = w + 0.5
+    torch.testing.assert_close(before.cpu(), torch.ones(3))
+    torch.testing.assert_close(after.cpu(), torch.tensor([10.0, 12.0, 14.0]))
+    torch.testing.assert_close(w.cpu(), torch.tensor([9.0, 8.0, 7.0]))
+    torch.testing.assert_close(w_after.cpu(), torch.tensor([9.5, 8.5, 7.5]))
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_copies_of_no_elements(mode):
+    """Hugging Face's DynamicCache starts every layer from torch.tensor([], device=...): nothing to copy, so
+    nothing runs; shapes that do not broadcast still raise PyTorch's own error."""
+    previous = eager_mode.mode()
+    torchbridge.set_eager_mode(mode)
+    try:
+        empty = torch.tensor([], dtype=torch.float32, device=DEV)
+        assert empty.shape == (0,) and empty.device.type == DEV
+        k = torch.randn(1, 2, 3, 4)
+        torch.testing.assert_close(torch.cat([empty, k.to(DEV)], dim=-2).cpu(), torch.cat([torch.tensor([]), k], -2))
+        with pytest.raises(RuntimeError) as dev_err:
+            torch.empty(0, 3, device=DEV).copy_(torch.empty(0, 2))
+        with pytest.raises(RuntimeError) as cpu_err:
+            torch.empty(0, 3).copy_(torch.empty(0, 2))
+        assert str(dev_err.value) == str(cpu_err.value)
+    finally:
+        torchbridge.set_eager_mode(previous)

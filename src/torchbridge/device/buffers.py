@@ -91,11 +91,14 @@ def write_from_host(t: torch.Tensor, host: torch.Tensor) -> bool:
     """`t.copy_(host)` as one transfer when `t` covers its whole storage contiguously and `host` is a
     CPU tensor of its shape and dtype (what `.to(device)` does): the storage gets the host values as
     its buffer, with no program, so a new shape (a jagged batch's index list) compiles nothing.
-    False (nothing done) otherwise, or while fused eager mode has recorded work (ordering)."""
-    from torchbridge.device import fused
+    False (nothing done) otherwise.
 
+    In fused eager mode this is also safe while ops are recorded: a recorded op that reads the storage
+    holds its old buffer already, one recorded later reads the new one, and a recorded write still
+    pending for the storage is dropped at the flush (its placeholder is no longer in the table), as the
+    host's values come after it."""
     if (host.device.type != "cpu" or host.dtype != t.dtype or tuple(host.shape) != tuple(t.shape)
-            or host.is_conj() or host.is_neg() or t.is_conj() or t.is_neg() or fused.RECORDER.records):
+            or host.is_conj() or host.is_neg() or t.is_conj() or t.is_neg()):
         return False
     STATE.table.drain()
     storage = t.untyped_storage()

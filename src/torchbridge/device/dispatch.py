@@ -657,7 +657,7 @@ def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, remember: bool = F
             STATE.table.set(key, buf)
             outs.append(t)
         result = _rebuild(program.out_struct, outs)
-    if lazy and len(fused.RECORDER.records) >= fused.MAX_OPS:
+    if lazy and fused.RECORDER.full():
         STATE.table.flush()  # after the table holds this op's placeholders, so they resolve too
     return result
 

