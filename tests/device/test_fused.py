@@ -80,6 +80,11 @@ def test_size_bound_starts_small_after_a_read_and_doubles(fused_mode, monkeypatc
         torch.testing.assert_close(x.cpu(), ref)
         assert fused.stats()["size_bound"] == 4
     assert fused.stats()["fused_programs"] == cached  # nothing new traced in the second iteration
+    for _ in range(4):  # exactly the bound: flushed, nothing left recorded, the bound grown to 8
+        x = x * 1.25
+    assert fused.stats()["pending_ops"] == 0 and fused.stats()["size_bound"] == 8
+    x.cpu()  # a read with nothing recorded still starts the bound over
+    assert fused.stats()["size_bound"] == 4
 
 
 def test_training_20_steps_matches_cpu_and_reuses_fused_programs(fused_mode):

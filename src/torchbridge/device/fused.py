@@ -51,6 +51,12 @@ class _Recorder:
         self.last_outputs: Any = ()
         self.bound = FIRST_OPS  # the size bound of the sequence being recorded (never above MAX_OPS)
 
+    def restart(self) -> None:
+        """A read or synchronize() with nothing recorded: the next sequence starts small again, as after a read
+        (else a read that follows a flush at the bound would leave the bound grown, and the next iteration
+        would cut its sequences elsewhere and trace new programs)."""
+        self.bound = FIRST_OPS
+
     def full(self) -> bool:
         """Whether the sequence being recorded has reached its size bound (the caller then flushes)."""
         return len(self.records) >= min(self.bound, MAX_OPS)

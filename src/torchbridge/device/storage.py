@@ -55,12 +55,16 @@ class BufferTable:
         """Run what fused eager mode has recorded and put the concrete buffers in the table."""
         if fused.RECORDER.records:
             fused.RECORDER.flush(self._buffers)
+        else:
+            fused.RECORDER.restart()
 
     def get(self, key: int) -> jax.Array | None:
         buf = self._buffers.get(key)
         if isinstance(buf, fused.Pending):
             self.flush()
             buf = self._buffers.get(key)
+        elif not fused.RECORDER.records:
+            fused.RECORDER.restart()  # a read with nothing recorded (fused mode's size bound starts over)
         return buf
 
     def get_or_zeros(self, key: int, nbytes: int, dtype: jnp.dtype, device: jax.Device) -> jax.Array:
