@@ -67,7 +67,7 @@ def _is_torchrun_launcher() -> bool:
     workers, each a fresh interpreter that registers the device itself. Registering there imports JAX and
     the lowerings (~2.4 s of the launcher's 4.4 s `import torch` here), on every job's critical path.
     `register()` still works in it when called."""
-    argv = list(getattr(sys, "orig_argv", ()))
+    argv = sys.orig_argv
     if any(Path(a).name == "torchrun" for a in argv[:2]):
         return True
     return any(argv[i] == "-m" and argv[i + 1] in ("torch.distributed.run", "torch.distributed.launch")

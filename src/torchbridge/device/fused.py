@@ -7,14 +7,14 @@ buffer table holds `Pending` placeholders for the results. Any read of a value (
 `synchronize()`, or reaching the size bound flushes: the recorded programs are traced together into
 one jax.jit function (cached by the sequence of programs and how their buffers connect) and only the
 results still referenced by live storages are returned, so XLA can fuse and drop the intermediates.
+Each per-op program is a pure function of storage buffers, so composing them is exact: results are
+the same values plain eager computes (up to XLA's fusion-level floating-point reassociation).
 
 The size bound grows within a run of recording: after a read (the device has nothing queued) the first
 FIRST_OPS ops flush, then twice as many, up to MAX_OPS. So the device starts computing soon after a read
 while the host records the rest, instead of waiting for the whole run to be recorded (a Llama forward at
 batch 1: 245 ops recorded in ~9 ms, then one ~30 ms program; everything serial). The bounds depend only on
 the op count since the last read, so every iteration cuts the same sequences and reuses their programs.
-Each per-op program is a pure function of storage buffers, so composing them is exact: results are
-the same values plain eager computes (up to XLA's fusion-level floating-point reassociation).
 """
 
 from __future__ import annotations
