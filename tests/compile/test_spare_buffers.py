@@ -74,3 +74,42 @@ def test_empty_cache_returns_the_spares() -> None:
     MOD.empty_cache()
     assert storage.SPARES.nbytes == 0
     assert MOD.memory_reserved() == MOD.memory_allocated()
+
+
+def _two(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.sin(x) * k, torch.cos(x[: N // 2]) * k  # two shapes: two kinds of spare
+
+
+def test_outputs_with_a_spare_reuse_it_when_others_have_none() -> None:
+    # The caller keeps every second result: one of the two large outputs finds a spare each call, the
+    # other never does (a training step whose logits outlive it). The one that can is still recycled.
+    step = torch.compile(_two, backend="tpu")
+    x = torch.randn(N)
+    xd = x.to(DEV)
+    kept = []
+    before = metrics()["recycled_outputs"]
+    for i in range(5):
+        k = torch.tensor(float(i + 1))
+        a, b = step(xd, k.to(DEV))  # the previous `a` is freed by this assignment: a spare
+        kept.append(b)
+    assert metrics()["recycled_outputs"] - before >= 2  # was 0 when every output had to find a spare
+    for i, b in enumerate(kept):
+        torch.testing.assert_close(b.cpu(), torch.cos(x[: N // 2]) * (i + 1))
+    a, _ = step(xd, torch.tensor(7.0, device=DEV))
+    torch.testing.assert_close(a.cpu(), torch.sin(x) * 7)
+
+
+def _transposed(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return (x * k).t().contiguous()
+
+
+def test_a_program_that_copies_anyway_still_reuses_buffers() -> None:
+    # XLA writes the transpose as a `copy` instruction whether or not the output goes into a spare: only
+    # copies the donation adds count against it (its baseline is the same program without spares).
+    step = torch.compile(_transposed, backend="tpu")
+    x = torch.randn(2048, N // 2048)
+    before = metrics()["recycled_outputs"]
+    for i in range(4):
+        out = step(x.to(DEV), torch.tensor(float(i + 1), device=DEV))
+        torch.testing.assert_close(out.cpu(), (x * (i + 1)).t().contiguous())
+    assert metrics()["recycled_outputs"] - before >= 2

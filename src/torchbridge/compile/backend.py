@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import operator
 from collections import Counter
 from collections.abc import Iterator
@@ -650,7 +651,9 @@ class _Executable:
         self._donating: dict[tuple[int, ...], Any] = {}
         self._avals: Any = None  # the first call's argument shapes, for hlo_text
         self.spare_keys: list[tuple] | None = None  # its large outputs' (shape, dtype, device), after a call
-        self._recycling: Any = False  # the variant writing them into donated spares; None: it copies
+        # variants writing some of them into donated spares, by the spares' keys; None: XLA would copy
+        self._recycling: dict[tuple, Any] = {}
+        self._copied: int | None = None  # copied_bytes(), once
 
     def __call__(self, *args: Any) -> Any:
         if self._avals is None:
@@ -662,15 +665,39 @@ class _Executable:
         custom calls it runs."""
         return self.jitted.lower(*self._avals).compile().as_text()
 
-    def recycling(self, call: tuple, spares: list) -> Any:
-        """The program taking `spares` (one per large output, in order) as a first, donated argument that
-        XLA writes those outputs into; None where XLA would copy a quarter or more of their bytes."""
-        if self._recycling is False:
+    def copied_bytes(self, args: tuple) -> int:
+        """The bytes the program (not donating) moves with `copy` instructions, for `args` (its call's
+        arguments): the baseline a donating variant's copies are compared with."""
+        if self._copied is None:
+            self._copied = donation.copied_bytes(self.jitted.lower(*args).compile().as_text())
+        return self._copied
+
+    def recycling(self, call: tuple, keys: tuple, spares: list) -> Any:
+        """The program taking `spares` (their pool `keys`, each the shape of one or more large outputs) as a
+        first, donated argument: JAX pairs each with an output of its shape, which XLA writes into it.
+        None where XLA would copy a quarter or more of their bytes."""
+        if keys not in self._recycling:
             raw = self.raw
             jitted = jax.jit(lambda _spares, *args: raw(*args), donate_argnums=(0,), keep_unused=True)
             compiled = jitted.lower(tuple(spares), *call).compile()
-            self._recycling = donation.unless_copying(compiled, sum(b.nbytes for b in spares))
-        return self._recycling
+            self._recycling[keys] = donation.unless_copying(compiled, sum(b.nbytes for b in spares),
+                                                            self.copied_bytes(call))
+        return self._recycling[keys]
+
+    def recycling_keys(self, available: tuple) -> tuple:
+        """Which of the `available` spare keys to use: a compiled variant's keys if the spares cover one
+        (the largest such), else all of them, compiling a new variant, while there are fewer than
+        MAX_RECYCLING_VARIANTS (each is a full compile of the program; a pool that fills up over the
+        first steps, or a steady state short of one output's spare, settles on one)."""
+        def nbytes(keys: tuple) -> int:
+            return sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in keys)
+        if not available or available in self._recycling:
+            return available
+        have = Counter(available)
+        fits = [k for k, run in self._recycling.items() if run is not None and not Counter(k) - have]
+        if fits:
+            return max(fits, key=nbytes)
+        return available if len(self._recycling) < MAX_RECYCLING_VARIANTS else ()
 
     def donating(self, positions: tuple[int, ...], args: tuple, slot: dict[int, int]) -> Any:
         """The program donating the buffers at `positions`, compiled for `args` (its call's arguments;
@@ -683,18 +710,24 @@ class _Executable:
                 compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
             finally:
                 _DONATED.reset(token)
-            self._donating[positions] = donation.unless_copying(compiled, sum(b.nbytes for b in args[0]))
+            self._donating[positions] = donation.unless_copying(compiled, sum(b.nbytes for b in args[0]),
+                                                                self.copied_bytes((donation.merged(positions, *args[:2]),
+                                                                                   *args[2:])))
         return self._donating[positions]
+
+
+MAX_RECYCLING_VARIANTS = 3
 
 
 def _call_recycling(fn: _Executable, call: tuple) -> Any:
     """Run a program that writes no input, its large fresh outputs written into spare buffers of their
     shape (storage.SPARES: freed buffers kept instead of new memory, which the CPU platform page-faults
-    in on every write) when the pool has one for each and XLA adds no copies for them."""
+    in on every write) for as many of them as the pool has a spare for and XLA adds no copies."""
     if fn.spare_keys:
-        spares = storage.SPARES.take(fn.spare_keys)
-        if spares is not None:
-            run = fn.recycling(call, spares)
+        keys = fn.recycling_keys(storage.SPARES.available(fn.spare_keys))
+        if keys:
+            spares = storage.SPARES.take(list(keys))
+            run = fn.recycling(call, keys, spares)
             if run is not None:
                 compile_counter["recycled_outputs"] += len(spares)
                 return run(tuple(spares), *call)

@@ -133,7 +133,23 @@ def _resize_bytes(buf: jax.Array, nbytes: int) -> jax.Array:
 # inputs that XLA writes their fresh outputs of the same shape into (compile.backend). The pool is
 # bounded; torch.<device>.empty_cache() drops it; TORCHBRIDGE_SPARE_BUFFERS=0 turns it off.
 SPARE_MIN_BYTES = 4 << 20
-SPARE_POOL_BYTES = 1 << 30
+
+
+def _pool_bound() -> int:
+    """TORCHBRIDGE_SPARE_POOL_BYTES, else a quarter of physical memory (at least 1 GiB). A training
+    step frees its saved activations after the backward and the next forward writes the same shapes
+    again: the pool has to hold them all (a hidden-768 Llama at 16 x 512 tokens saves 2.4 GiB) or the
+    forward pays page faults for the rest; it adds little to the peak, since they were live during the forward."""
+    env = os.environ.get("TORCHBRIDGE_SPARE_POOL_BYTES")
+    if env:
+        return int(env)
+    try:
+        return max(1 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    except (ValueError, OSError):
+        return 1 << 30
+
+
+SPARE_POOL_BYTES = _pool_bound()
 
 
 def spares_enabled(device: Any) -> bool:
@@ -163,6 +179,16 @@ class SparePool:
             old_key, old = self._order.popleft()
             self._free[old_key].remove(old)
             self.nbytes -= old.nbytes
+
+    def available(self, keys: list[tuple]) -> tuple:
+        """The keys among `keys` (in their order, repeats included) that a spare is there for."""
+        left = {k: len(v) for k, v in self._free.items()}
+        out = []
+        for k in keys:
+            if left.get(k, 0):
+                left[k] -= 1
+                out.append(k)
+        return tuple(out)
 
     def take(self, keys: list[tuple]) -> list[jax.Array] | None:
         """One spare per key (keys may repeat), or None (and nothing taken) unless all are there."""
