@@ -4,8 +4,9 @@ attention inside XLA executables, and a fusion fence.
 Which GEMM is faster depends on the CPU: on one 2-core machine XLA:CPU's own dot (YNNPACK/Eigen)
 ran 1.2-1.4x slower than torch's GEMM on transformer-shaped products, on another (AMD EPYC, AVX-512)
 it ran 7-10% faster, and inside a training step by 15% (a host GEMM's OpenMP threads also contend
-with XLA's own). So on JAX's CPU platform the first eligible product measures both once per process
-(`gemm_probe`), and only where torch's GEMM wins clearly do mm/bmm/addmm lower to an XLA FFI custom
+with XLA's own), on a third (Xeon, AVX-512/AMX) torch's was 1.13-1.29x faster at every product measured.
+So on JAX's CPU platform the first eligible product measures both once per process (`gemm_probe`), and
+where torch's GEMM is the faster one mm/bmm/addmm lower to an XLA FFI custom
 call (csrc/host_calls.cpp) that calls `at::mm_out`/`at::bmm_out` on the XLA buffers. XLA still
 compiles, fuses and schedules everything else; only the inner product changes hands.
 `TORCHBRIDGE_HOST_GEMM=1`/`0` forces the choice. On any other platform (TPU, GPU) XLA's dot is used.
@@ -51,10 +52,13 @@ ADAM_MIN_ELEMENTS = 1 << 14
 # side by side on its own threads.
 MIN_MACS = 32 * 32 * 32
 MIN_ROWS = 256
-# The probe for the GEMM choice: a transformer-shaped product (tokens x hidden @ hidden x MLP). Torch's
-# GEMM must beat XLA's dot by this margin alone, since inside a graph it also contends with XLA's threads.
+# The probe for the GEMM choice: a transformer-shaped product (tokens x hidden @ hidden x MLP); the faster
+# one wins. A margin in XLA's favour (0.9, for the contention with XLA's threads inside a graph) made the
+# choice flip between processes on a machine where torch's GEMM is 1.1-1.2x faster at the probe and
+# 1.13-1.29x at the larger products of a sweep (Xeon with AVX-512/AMX), whose forward at hidden 768 x 8 x 512
+# tokens then ran 0.88x Inductor with XLA's dot against 0.96-0.98x with torch's.
 GEMM_PROBE = (1024, 384, 1024)
-GEMM_MARGIN = 0.9
+GEMM_MARGIN = 1.0
 log = logging.getLogger(__name__)
 _registered = False
 # Positional operands of the ops whose lowering takes `Transposed` operands (schema name -> positions).
