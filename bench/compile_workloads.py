@@ -238,7 +238,8 @@ def heatmap_from_tables(md: Path, png: Path) -> int:
     for h, s, b, fb, fi, tb, ti in row.findall(text):
         cells[(int(h), int(s), int(b))] = Cell(int(h), int(s), int(b), {
             "forward": {"bridge": float(fb), "inductor": float(fi)}, "train": {"bridge": float(tb), "inductor": float(ti)}})
-    _heatmap(list(cells.values()), png, f"bridge compiled vs Inductor: the {len(cells)} cells in {md.name}")
+    _heatmap(list(cells.values()), png, f"bridge compiled vs Inductor: the {len(cells)} cells in {md.name} "
+                                        "(runs of several sessions, not always one machine: see its text)")
     return len(cells)
 
 
