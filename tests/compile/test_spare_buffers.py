@@ -113,3 +113,18 @@ def test_a_program_that_copies_anyway_still_reuses_buffers() -> None:
         out = step(x.to(DEV), torch.tensor(float(i + 1), device=DEV))
         torch.testing.assert_close(out.cpu(), (x * (i + 1)).t().contiguous())
     assert metrics()["recycled_outputs"] - before >= 2
+
+
+def test_only_shapes_a_compiled_program_writes_are_kept() -> None:
+    # Kept buffers of other shapes would only stop the C allocator from reusing their memory: eager ops
+    # take no spares (eager and fused training steps ran 1.3x and 1.9x slower with them all kept).
+    x = torch.randn(N + 4096, device=DEV) * 2  # an eager result of a shape no program writes
+    del x
+    (torch.ones(4, device=DEV) + 1).cpu()  # the next ops drain the free
+    assert storage.SPARES.nbytes == 0
+    step = torch.compile(_fn, backend="tpu")
+    out = step(torch.randn(N, device=DEV), torch.tensor(2.0, device=DEV))  # writes (N,) float32
+    y = torch.randn(N, device=DEV) * 2  # now an eager result of that shape is worth keeping
+    del y, out
+    (torch.ones(4, device=DEV) + 1).cpu()
+    assert storage.SPARES.nbytes >= N * 4

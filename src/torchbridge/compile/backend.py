@@ -737,6 +737,7 @@ def _call_recycling(fn: _Executable, call: tuple) -> Any:
     if fn.spare_keys is None:
         fn.spare_keys = [storage.SparePool.key(o.shape, o.dtype, d) for o in jax.tree.leaves(out)
                          if o.nbytes >= storage.SPARE_MIN_BYTES and storage.spares_enabled(d := next(iter(o.devices())))]
+        storage.SPARES.want(fn.spare_keys)
     return out
 
 
