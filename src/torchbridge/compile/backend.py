@@ -649,16 +649,19 @@ class _Executable:
         self.raw = raw
         self.jitted = jax.jit(raw, keep_unused=True)  # placed by its inputs' devices, used or not
         self._donating: dict[tuple[int, ...], Any] = {}
-        self._avals: Any = None  # the first call's argument shapes, for hlo_text
+        self._avals: Any = None  # the first call's argument shapes, for hlo_text and copied_bytes
         self.spare_keys: list[tuple] | None = None  # its large outputs' (shape, dtype, device), after a call
         # variants writing some of them into donated spares, by the spares' keys; None: XLA would copy
         self._recycling: dict[tuple, Any] = {}
         self._copied: int | None = None  # copied_bytes(), once
 
     def __call__(self, *args: Any) -> Any:
+        self._remember(args)
+        return self.jitted(*args)
+
+    def _remember(self, args: tuple) -> None:
         if self._avals is None:
             self._avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
-        return self.jitted(*args)
 
     def hlo_text(self) -> str:
         """The optimised HLO XLA compiled for this program (after its first call): which fusions and
@@ -669,7 +672,8 @@ class _Executable:
         """The bytes the program (not donating) moves with `copy` instructions, for `args` (its call's
         arguments): the baseline a donating variant's copies are compared with."""
         if self._copied is None:
-            self._copied = donation.copied_bytes(self.jitted.lower(*args).compile().as_text())
+            self._remember(args)  # a writing program may donate from its first call on
+            self._copied = donation.copied_bytes(self.hlo_text())
         return self._copied
 
     def recycling(self, call: tuple, keys: tuple, spares: list) -> Any:

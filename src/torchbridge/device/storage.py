@@ -201,13 +201,8 @@ class SparePool:
                 out.append(k)
         return tuple(out)
 
-    def take(self, keys: list[tuple]) -> list[jax.Array] | None:
-        """One spare per key (keys may repeat), or None (and nothing taken) unless all are there."""
-        need: dict[tuple, int] = {}
-        for k in keys:
-            need[k] = need.get(k, 0) + 1
-        if any(len(self._free.get(k, ())) < n for k, n in need.items()):
-            return None
+    def take(self, keys: list[tuple]) -> list[jax.Array]:
+        """One spare per key (keys may repeat): keys `available` returned, so each has one."""
         out = []
         for k in keys:
             buf = self._free[k].pop()
