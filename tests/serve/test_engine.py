@@ -19,7 +19,8 @@ VARIANTS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     "speculative-ngram": {"speculative_ngram": 3},
     "shape-buckets": {"shape_buckets": True},
-    "gather-decode": {"decode_workspace": False},
+    "workspace-decode": {"paged_decode_kernel": False},
+    "gather-decode": {"paged_decode_kernel": False, "decode_workspace": False},
 }
 
 
@@ -89,15 +90,19 @@ def hf_model_greedy_no_eos(model_dir: Path, prompt: list[int], n: int) -> list[i
     return ids[len(prompt) :]
 
 
-def test_varied_output_lengths_with_requests_joining(llama_dir: Path) -> None:
-    """Requests finish at different steps while waiting ones join (3 slots): decode-workspace rows are
-    freed, compacted and refilled from the paged cache, and every output still matches Hugging Face."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "workspace"])
+def test_varied_output_lengths_with_requests_joining(llama_dir: Path, kernel: bool) -> None:
+    """Requests finish at different steps while waiting ones join (3 slots): the decode kernel's rows
+    change every step; decode-workspace rows are freed, compacted and refilled from the paged cache; every
+    output still matches Hugging Face."""
     prompts = mixed_prompts(7, seed=6, lo=4, hi=30)
     lens = [3, 17, 9, 1, 12, 5, 14]
     llm = LLM(str(llama_dir), block_size=4, num_blocks=128, max_model_len=96, max_num_seqs=3,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, paged_decode_kernel=kernel)
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens])
-    assert llm.engine.runner.workspace is not None and llm.engine.runner.workspace.rows > 0
+    runner = llm.engine.runner
+    assert runner.decode_kernel == kernel
+    assert kernel or (runner.workspace is not None and runner.workspace.rows > 0)
     for p, n, o in zip(prompts, lens, outs, strict=True):
         assert o.outputs[0].token_ids == hf_model_greedy_no_eos(llama_dir, p, n)
 

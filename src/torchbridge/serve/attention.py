@@ -14,6 +14,9 @@ sequence's keys and values contiguous (`[rows, num_kv_heads, length, head_dim]` 
 the paged cache once when the sequence starts decoding and then extended by one position per step, so a
 decode step reads the context once (inside attention) instead of copying it out of the pool per layer.
 The paged cache stays the source of truth (prefix caching, preemption, chunks all use it).
+
+On the CPU the engine's C++ decode kernel (serve/cpu_kernels.py) replaces both: a `PagedDecodeGroup`'s
+rows read their keys and values from the pool in place, each only up to its own length.
 """
 
 from __future__ import annotations
@@ -46,9 +49,19 @@ class WorkspaceGroup:
 
 
 @dataclass
+class PagedDecodeGroup:
+    """Decodes served by the CPU decode kernel straight from the paged cache (one query per row)."""
+
+    query_index: torch.Tensor  # [R] flat token index of each row's query
+    block_tables: torch.Tensor  # [R, max_blocks] int64 (past a row's blocks: the scratch block)
+    context_lens: torch.Tensor  # [R] int64 keys each row attends to, positions [0, len)
+    window: int | None  # sliding window: only the last `window` positions are visible
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup | WorkspaceGroup]
+    groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup]
 
 
 def build_mask(
@@ -187,6 +200,13 @@ def paged_attention(
     for g in meta.groups:
         if isinstance(g, WorkspaceGroup):
             _workspace_attention(q, k, v, g, layer, out, scale)
+            continue
+        if isinstance(g, PagedDecodeGroup):
+            from torchbridge.serve.cpu_kernels import paged_decode_attention
+
+            o = paged_decode_attention(q.index_select(0, g.query_index), k_cache, v_cache, g.block_tables,
+                                       g.context_lens, scale, g.window)
+            out.index_copy_(0, g.query_index, o.view(-1, num_heads * head_dim))
             continue
         batch, max_q = g.query_index.shape
         if decode_kernel is not None and max_q == 1:

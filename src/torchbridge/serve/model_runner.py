@@ -24,6 +24,7 @@ from torchbridge.serve.attention import (
     AttentionGroup,
     AttentionMetadata,
     DecodeWorkspace,
+    PagedDecodeGroup,
     WorkspaceGroup,
     build_mask,
 )
@@ -110,6 +111,12 @@ def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrap
     return step
 
 
+def _cpu_kernel_builds() -> bool:
+    from torchbridge.serve import cpu_kernels
+
+    return cpu_kernels.available() is None
+
+
 class ModelRunner:
     """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers."""
 
@@ -138,7 +145,9 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
-        self.workspace = (
+        # The CPU decode kernel, when asked for and it builds (else the workspace, if on, serves decodes).
+        self.decode_kernel = bool(config.paged_decode_kernel) and _cpu_kernel_builds()
+        self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
                             config.max_num_seqs, config.num_blocks * config.block_size)
             if config.decode_workspace else None
@@ -160,6 +169,7 @@ class ModelRunner:
         # Per group (decodes, chunks): (first flat token, query length, context length, block table).
         groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
         decodes: list[tuple[PlannedSeq, int, int]] = []  # (seq, flat token, position) of one-token items
+        use_kernel = self.decode_kernel and not pad
         use_ws = self.workspace is not None and not pad
         for seq in step:
             start, toks = seq.start, seq.tokens
@@ -169,7 +179,7 @@ class ModelRunner:
             pos.extend(p)
             slots.extend(seq.block_table[i // bs] * bs + i % bs for i in p)
             ctx = start + len(toks)
-            if use_ws and len(toks) == 1:
+            if (use_ws or use_kernel) and len(toks) == 1:
                 decodes.append((seq, first, start))
             else:
                 groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table))
@@ -189,8 +199,10 @@ class ModelRunner:
         def tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        attn_groups: list[AttentionGroup | WorkspaceGroup] = []
-        if use_ws:
+        attn_groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup] = []
+        if use_kernel and decodes:
+            attn_groups.append(self._kernel_group(decodes, tensor))
+        elif use_ws:
             ws_group = self._workspace_group(decodes, tensor)
             if ws_group is None:  # over the workspace's capacity: gather like the other groups
                 groups[True] = [(f, 1, p + 1, sq.block_table[: -(-(p + 1) // bs)]) for sq, f, p in decodes]
@@ -239,6 +251,16 @@ class ModelRunner:
             out_cells=tensor(out_cells),  # type: ignore[operator]
         )
 
+    def _kernel_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object) -> PagedDecodeGroup:
+        mb = max(len(seq.block_table) for seq, _, _ in decodes)
+        tables = [seq.block_table + [self.scratch_block] * (mb - len(seq.block_table)) for seq, _, _ in decodes]
+        return PagedDecodeGroup(
+            query_index=tensor([first for _, first, _ in decodes]),  # type: ignore[operator]
+            block_tables=tensor(tables),  # type: ignore[operator]
+            context_lens=tensor([start + 1 for _, _, start in decodes]),  # type: ignore[operator]
+            window=self.sliding_window,
+        )
+
     def _workspace_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object) -> WorkspaceGroup | None:
         ws = self.workspace
         assert ws is not None
@@ -284,6 +306,7 @@ class ModelRunner:
         groups = (
             x for g in meta.groups for x in (
                 (g.query_index.shape[0], g.kv_len) if isinstance(g, WorkspaceGroup)
+                else (*g.block_tables.shape,) if isinstance(g, PagedDecodeGroup)
                 else (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0])
             )
         )

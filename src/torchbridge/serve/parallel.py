@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchbridge.serve.config import ModelConfig
+from torchbridge.serve.linear import Linear
 
 FLAG = "--tensor-parallel-size"
 
@@ -91,7 +92,7 @@ def shard(tensor: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     return tensor.narrow(dim, tp.rank * block, block)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """y[:, block rank] = x @ W[block rank].T: output features split, no communication."""
 
     tp_dim = 0
@@ -100,7 +101,7 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, out_features // tp.size, bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = sum over ranks of x[:, block rank] @ W[:, block rank].T: input features split, one all-reduce.
     `reduce=False` leaves the partial sum (a caller that adds several, the experts of a layer, reduces once)."""
 
@@ -111,7 +112,7 @@ class RowParallelLinear(nn.Linear):
         self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         return all_reduce(y, self.tp) if self.reduce else y
 
 
@@ -135,7 +136,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(rows.masked_fill(~mine[:, None], 0), self.tp)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """The logits of the rank's vocabulary block; `logits` joins every rank's and drops the padding."""
 
     tp_dim = 0
@@ -145,4 +146,4 @@ class ParallelLMHead(nn.Linear):
         self.tp, self.vocab_size = tp, vocab_size
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last(F.linear(hidden, self.weight), self.tp)[:, : self.vocab_size]
+        return all_gather_last(self.matmul(hidden), self.tp)[:, : self.vocab_size]

@@ -25,6 +25,7 @@ from torch import nn
 
 from torchbridge.serve.attention import AttentionMetadata, paged_attention
 from torchbridge.serve.config import ModelConfig
+from torchbridge.serve.linear import Linear
 from torchbridge.serve.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -138,12 +139,12 @@ class Attention(_Kernels, nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
         self.sliding_window = cfg.sliding_window  # the decode kernel reads each context from position 0
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: Linear | None = None
 
     def fuse(self) -> None:
         """One q|k|v matmul instead of three: fewer, larger GEMMs (after the weights are loaded)."""
         lins = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(lins[0].in_features, sum(x.out_features for x in lins), bias=self.q_proj.bias is not None)
+        fused = Linear(lins[0].in_features, sum(x.out_features for x in lins), bias=self.q_proj.bias is not None)
         fused = fused.to(device=self.q_proj.weight.device, dtype=self.q_proj.weight.dtype)
         with torch.no_grad():
             fused.weight.copy_(torch.cat([x.weight for x in lins]))
@@ -188,11 +189,11 @@ class MLP(_Kernels, nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, reduce)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=False).to(device=w.device, dtype=w.dtype)
+        fused = Linear(w.shape[1], w.shape[0], bias=False).to(device=w.device, dtype=w.dtype)
         with torch.no_grad():
             fused.weight.copy_(w)
         self.gate_up_proj = fused

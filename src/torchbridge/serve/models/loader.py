@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from torchbridge.serve.config import ModelConfig
+from torchbridge.serve.linear import pack
 from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
 from torchbridge.serve.parallel import SINGLE, TPGroup, shard
 
@@ -74,4 +75,5 @@ def load_model(
     cos, sin = rope_tables(cfg, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
+    pack(model)  # on the cpu: weights laid out once for oneDNN (serve/linear.py)
     return model.eval()

@@ -1,0 +1,55 @@
+"""The engine's C++ kernels for the CPU (serve/csrc), built once per machine and loaded on demand.
+
+`paged_decode_attention` reads each decoding sequence's keys and values from the paged cache in place
+(serve/csrc/paged_attention.cpp): a decode step neither gathers the context nor pads it to the step's
+longest one. It is compiled for this CPU (-march=native; the CPU's flags are part of the build's key),
+on first use (~20 s on 2 cores). Where no C++ compiler works, `available()` says why and the engine
+decodes through its workspace instead (serve/attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+_state: dict[str, object] = {}
+
+
+def _load() -> None:
+    from torchbridge import cpp_build
+
+    key = (torch.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode() + " ".join(_CFLAGS).encode()
+           + cpp_build.cpu_signature())
+    build = cpp_build.build_dir("serve-cpu", [_SOURCE], key)
+    cpp_build.load("torchbridge_serve_cpu", build, [_SOURCE.name], extra_cflags=_CFLAGS, is_python_module=False)
+
+
+def available() -> str | None:
+    """None once the kernels are loaded (building them first if needed); else why they cannot be."""
+    if "error" not in _state:
+        try:
+            _load()
+            _state["error"] = None
+        except Exception as e:  # no compiler, headers missing, ...: the engine has a plain-torch path
+            _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log.warning("the engine's CPU decode kernel could not be built (%s); decoding through the workspace",
+                        _state["error"])
+    return _state["error"]  # type: ignore[return-value]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention of one query per row over positions [0, len) (the last `window` of them if given).
+
+    q: [R, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [R, max_blocks] and context_lens
+    [R] (int64). Returns [R, H, D] in q's dtype; a row of length 0 gives zeros."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    torch.ops.torchbridge_serve.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, block_tables,
+                                                       context_lens, scale, window or 0)
+    return out

@@ -1,0 +1,90 @@
+"""The engine's CPU decode kernel (serve/csrc/paged_attention.cpp) against PyTorch's own attention.
+
+The reference gathers each row's context out of the pool with plain indexing and runs
+`F.scaled_dot_product_attention` in fp32 with an explicit mask: nothing of the kernel's own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchbridge.serve import cpu_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    why = cpu_kernels.available()
+    assert why is None, f"the kernel must build where the test suite runs: {why}"
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    rows, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.zeros(rows, heads, d)
+    for r in range(rows):
+        n = int(lens[r])
+        if n == 0:
+            continue
+        k = k_cache[tables[r]].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1)  # [KVH, n, D]
+        v = v_cache[tables[r]].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1)
+        visible = (torch.arange(n) >= (n - window if window else 0))[None, :]  # [1 query, n keys]
+        g = heads // kv_heads
+        o = F.scaled_dot_product_attention(q[r].float().view(kv_heads, g, 1, d), k[:, None].expand(-1, g, -1, -1),
+                                           v[:, None].expand(-1, g, -1, -1), attn_mask=visible, scale=scale)
+        out[r] = o.reshape(heads, d)
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 64), (4, 1, 128), (6, 3, 24)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_matches_sdpa_on_the_gathered_context(dtype: torch.dtype, atol: float, heads: int, kv_heads: int,
+                                               head_dim: int, window: int | None) -> None:
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_blocks, block_size = 96, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    # lengths: none, one key, not a multiple of 4 or of the block, exactly a block, many blocks
+    lens = torch.tensor([0, 1, 3, 17, 16, 101, 203])
+    tables = torch.randperm(num_blocks, generator=g)[: 7 * 13].view(7, 13)  # scattered blocks, none shared
+    q = torch.randn(7, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = reference(q, k_cache, v_cache, tables, lens, scale, window)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))  # no context: zeros, not NaN
+
+
+def test_bad_tables_are_refused_by_name() -> None:
+    k = torch.zeros(4, 16, 2, 8)
+    q = torch.zeros(2, 2, 8)
+    with pytest.raises(RuntimeError, match="names block 9 of a pool of 4"):
+        cpu_kernels.paged_decode_attention(q, k, k, torch.tensor([[0, 1], [9, 2]]), torch.tensor([20, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="context length 40 exceeds its block table"):
+        cpu_kernels.paged_decode_attention(q, k, k, torch.tensor([[0, 1], [2, 3]]), torch.tensor([40, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="head size or head count"):
+        cpu_kernels.paged_decode_attention(torch.zeros(2, 3, 8), k, k, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 1.0)
+
+
+def test_the_engine_decodes_through_the_kernel_on_cpu(tmp_path) -> None:
+    """The cpu default: decode steps are PagedDecodeGroups (not the workspace), and the engine's greedy
+    tokens equal Hugging Face generate()'s for a mixed batch (the full comparison is test_engine.py)."""
+    from serve_support import hf_greedy, mixed_prompts, save_model
+
+    from torchbridge.serve import LLM, SamplingParams
+    from torchbridge.serve.attention import PagedDecodeGroup
+
+    model_dir = save_model(tmp_path, "llama", None, seed=2)
+    llm = LLM(str(model_dir), block_size=4, num_blocks=128, max_model_len=96)
+    runner = llm.engine.runner
+    assert runner.decode_kernel and runner.workspace is None
+    kinds = []
+    prepare = runner.prepare
+    runner.prepare = lambda *a, **k: (lambda inp: kinds.extend(type(g) for g in inp.meta.groups) or inp)(prepare(*a, **k))
+    prompts = mixed_prompts(4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    assert PagedDecodeGroup in kinds
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 6) for p in prompts]
