@@ -3,7 +3,8 @@
 Every `import` in src/torchbridge (module level and inside functions: a lazy import is still a
 dependency) is checked against the rules below. The package root and its command-line glue (cli,
 __main__, run, doctor, _register) may reach any layer; torch-free shared modules at the root
-(block_hash, request_body) may be used by any layer. tests/route/test_layering.py checks the same
+(block_hash, request_body) may be used by any layer, and so may the C++ build helper (cpp_build), which
+may import torch but no layer. tests/route/test_layering.py checks the same
 contract at run time for the router (no torch, no jax, even when blocked).
 """
 
@@ -16,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 RANK = {"device": 0, "compile": 1, "kernels": 2, "distributed": 2, "serve": 3, "train": 3}
 GLUE = {"__init__", "__main__", "cli", "run", "doctor", "_register"}
 SHARED = {"block_hash", "request_body"}
+TOOLS = {"cpp_build"}  # torch allowed, no torchbridge layer
 # what the lowering table may use: pure JAX plus the device's value helpers, never the dispatcher
 LOWERING_MAY_USE = {"lowerings", "dtypes", "views", "host_calls", "runtime"}
 
@@ -50,6 +52,10 @@ def violations(src: Path) -> list[str]:
                                                                 target[1] in RANK):
                     out.append(f"{where} (the router and shared modules import neither torch, jax nor a layer)")
                 continue
+            if layer in TOOLS:
+                if target[0] == "torchbridge" and len(target) > 1:
+                    out.append(f"{where} (a build tool imports no part of torchbridge)")
+                continue
             if target[0] != "torchbridge" or len(target) < 2:
                 continue
             other = target[1]
@@ -57,7 +63,7 @@ def violations(src: Path) -> list[str]:
                 out.append(f"{where} (nothing imports the router)")
             elif other in RANK and layer in RANK and other != layer and RANK[other] >= RANK[layer]:
                 out.append(f"{where} ({layer} may import only layers below it)")
-            elif other not in RANK and other not in SHARED and other != layer and len(target) > 1 and \
+            elif other not in RANK and other not in SHARED and other not in TOOLS and other != layer and len(target) > 1 and \
                     (Path(src, "torchbridge", other).is_dir() or Path(src, "torchbridge", f"{other}.py").exists()):
                 out.append(f"{where} ({layer} may not import the glue module {other})")
             if parts[1:3] == ["device", "lowerings"] and target[1:2] == ["device"] and len(target) > 2 and \
