@@ -37,7 +37,8 @@ def available() -> str | None:
             _load()
             _state["error"] = None
         except Exception as e:  # no compiler, headers missing, ...: the engine has a plain-torch path
-            _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            lines = str(e).strip().splitlines() or [""]
+            _state["error"] = f"{type(e).__name__}: {next((ln for ln in lines if 'error' in ln), lines[-1])}"
             log.warning("the engine's CPU decode kernel could not be built (%s); decoding through the workspace",
                         _state["error"])
     return _state["error"]  # type: ignore[return-value]

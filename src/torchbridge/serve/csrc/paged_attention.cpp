@@ -17,6 +17,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <vector>
 
@@ -61,6 +64,80 @@ inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T*
   s[0] = a, s[1] = b, s[2] = c, s[3] = e;
 }
 
+// The same two loops with AVX-512, where the compiler targets it and the head size is a multiple of 16.
+// Scores: 16 keys at a time, each key's 16-lane partial products summed across lanes by one
+// transposing reduction for all 16 (one horizontal sum per key was most of the loop's time).
+// Values: each head's output held in registers over the whole context.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane j of the result: the sum of v[j]'s 16 lanes.
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a, b, a, b] halves of keys 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i .. 4i+3, that lane's part of each sum
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// Scores of 16 consecutive positions (rows at pool + where[x], this head's part at + off) for one head.
+template <typename T>
+inline __m512 scores16(const float* q, const T* pool, const int64_t* where, int64_t off, int64_t d) {
+  __m512 acc[16];
+  for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int x = 0; x < 16; ++x) acc[x] = _mm512_fmadd_ps(qc, load16(pool + where[x] + off + c), acc[x]);
+  }
+  return reduce16(acc);
+}
+
+// acc[0, 16 NV) += sum over the positions of p[x] * value row x (this head's part).
+template <int NV, typename T>
+inline void weighted16(const float* p, int64_t count, const T* pool, const int64_t* where, int64_t off, float* acc) {
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t x = 0; x < count; ++x) {
+    const __m512 px = _mm512_set1_ps(p[x]);
+    const T* v = pool + where[x] + off;
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(px, load16(v + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+template <typename T>
+inline void weighted(const float* p, int64_t count, const T* pool, const int64_t* where, int64_t off, int64_t d,
+                     float* acc) {
+  int64_t c = 0;
+  for (; c + 128 <= d; c += 128) weighted16<8>(p, count, pool, where, off + c, acc + c);
+  switch ((d - c) / 16) {
+    case 1: return weighted16<1>(p, count, pool, where, off + c, acc + c);
+    case 2: return weighted16<2>(p, count, pool, where, off + c, acc + c);
+    case 3: return weighted16<3>(p, count, pool, where, off + c, acc + c);
+    case 4: return weighted16<4>(p, count, pool, where, off + c, acc + c);
+    case 5: return weighted16<5>(p, count, pool, where, off + c, acc + c);
+    case 6: return weighted16<6>(p, count, pool, where, off + c, acc + c);
+    case 7: return weighted16<7>(p, count, pool, where, off + c, acc + c);
+    default: return;
+  }
+}
+#endif
+
+// Tests switch to the portable loops to check them on a machine that has the vector ones.
+bool g_portable = false;
+
 template <typename T>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window) {
@@ -82,31 +159,53 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   at::Tensor scores = at::full({rows, heads, longest}, -INFINITY, q.options().dtype(at::kFloat));
   float* sp = scores.data_ptr<float>();
   auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : int64_t(0); };
-  auto row_at = [&](const T* pool, const int64_t* table, int64_t pos) {  // [KVH, D] of position pos
-    return pool + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+  // Element offset in the pool of each visible position's [KVH, D] row, walking the block table (an
+  // integer division per position and head cost as much as the arithmetic).
+  auto locate = [&](int64_t r, std::vector<int64_t>& where) {
+    const int64_t first = first_of(r), n = lens[r] - first;
+    where.resize(std::max<int64_t>(n, 0));
+    const int64_t* table = tables + r * max_blocks;
+    for (int64_t j = 0, b = first / block_size, t = first % block_size; j < n; ++j) {
+      where[j] = (table[b] * block_size + t) * token_stride;
+      if (++t == block_size) t = 0, ++b;
+    }
   };
 
-  // One work item per sequence: its positions are walked in order and, at each, every head's key (or
-  // value) is read from one contiguous [KVH, D] row of the block, so the pool streams block by block.
+#if defined(__AVX512F__)
+  const bool vector = !g_portable && d % 16 == 0;
+#else
+  const bool vector = false;
+#endif
+  // One work item per sequence. Its positions are walked in chunks of 16 in order and every head is
+  // served from the chunk while it is in cache (within a block a chunk is one contiguous stretch of
+  // the pool, so the pool streams block by block).
+  constexpr int64_t chunk = 16;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * d);
+    std::vector<int64_t> where;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t first = first_of(r), n = lens[r] - first;
-      const int64_t* table = tables + r * max_blocks;
+      locate(r, where);
+      const int64_t n = where.size();
       float* s = sp + r * heads * longest;
       for (int64_t i = 0; i < heads * d; ++i) qf[i] = wide(qp + r * heads * d, i) * scale;
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {
-        const T* k[4] = {row_at(kp, table, first + j), row_at(kp, table, first + j + 1),
-                         row_at(kp, table, first + j + 2), row_at(kp, table, first + j + 3)};
+      for (int64_t j0 = 0; j0 < n; j0 += chunk) {
+        const int64_t count = std::min(chunk, n - j0);
+        const int64_t* w = where.data() + j0;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t off = (h / group) * d;
-          dot4(qf.data() + h * d, k[0] + off, k[1] + off, k[2] + off, k[3] + off, d, s + h * longest + j);
+          float* sh = s + h * longest + j0;
+#if defined(__AVX512F__)
+          if (vector && count == chunk) {
+            _mm512_storeu_ps(sh, scores16(qf.data() + h * d, kp, w, off, d));
+            continue;
+          }
+#endif
+          int64_t x = 0;
+          for (; x + 4 <= count; x += 4)
+            dot4(qf.data() + h * d, kp + w[x] + off, kp + w[x + 1] + off, kp + w[x + 2] + off, kp + w[x + 3] + off,
+                 d, sh + x);
+          for (; x < count; ++x) sh[x] = dot(qf.data() + h * d, kp + w[x] + off, d);
         }
-      }
-      for (; j < n; ++j) {
-        const T* k = row_at(kp, table, first + j);
-        for (int64_t h = 0; h < heads; ++h) s[h * longest + j] = dot(qf.data() + h * d, k + (h / group) * d, d);
       }
     }
   });
@@ -114,21 +213,29 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   sp = scores.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads * d);
+    std::vector<int64_t> where;
     for (int64_t r = begin; r < end; ++r) {
       T* o = op + r * heads * d;
-      const int64_t first = first_of(r), n = lens[r] - first;
-      if (n <= 0) {
-        std::fill(o, o + heads * d, T(0));
-        continue;
-      }
-      const int64_t* table = tables + r * max_blocks;
+      locate(r, where);
+      const int64_t n = where.size();
       const float* p = sp + r * heads * longest;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* v = row_at(vp, table, first + j);
-        for (int64_t h = 0; h < heads; ++h) axpy(p[h * longest + j], v + (h / group) * d, acc.data() + h * d, d);
+      for (int64_t j0 = 0; j0 < n; j0 += chunk) {
+        const int64_t count = std::min(chunk, n - j0);
+        const int64_t* w = where.data() + j0;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t off = (h / group) * d;
+          const float* ph = p + h * longest + j0;
+#if defined(__AVX512F__)
+          if (vector) {
+            weighted(ph, count, vp, w, off, d, acc.data() + h * d);
+            continue;
+          }
+#endif
+          for (int64_t x = 0; x < count; ++x) axpy(ph[x], vp + w[x] + off, acc.data() + h * d, d);
+        }
       }
-      for (int64_t i = 0; i < heads * d; ++i) o[i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < heads * d; ++i) o[i] = static_cast<T>(acc[i]);  // no context: zeros
     }
   });
 }
@@ -165,9 +272,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                   num_blocks);
     }
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
-  });
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      return decode<float>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case at::kBFloat16:
+      return decode<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case at::kHalf:
+      return decode<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " (float32, bfloat16 or float16 only)");
+  }
 }
 
 }  // namespace
@@ -175,6 +289,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(torchbridge_serve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_FRAGMENT(torchbridge_serve, m) {
+  m.def("_force_portable", [](bool on) { g_portable = on; });
 }
 
 TORCH_LIBRARY_IMPL(torchbridge_serve, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }
