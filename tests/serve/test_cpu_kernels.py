@@ -102,3 +102,60 @@ def test_the_engine_decodes_through_the_kernel_on_cpu(tmp_path) -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     assert PagedDecodeGroup in kinds
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 6) for p in prompts]
+
+
+# ---- RMSNorm and rotary (serve/csrc/pointwise.cpp) against Hugging Face's own modules ----------------
+TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
+       torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 16), (1, 200)])
+def test_rms_norm_matches_transformers(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    ref = LlamaRMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(shape[-1], generator=g))
+    ref = ref.to(dtype)
+    x = (3 * torch.randn(shape, generator=g)).to(dtype)
+    r = torch.randn(shape, generator=g).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_kernels.rms_norm(x, ref.weight, 1e-5), ref(x), **TOL[dtype])
+        total = x + r
+        normed, summed = cpu_kernels.add_rms_norm(x, r.clone(), ref.weight, 1e-5)
+        assert torch.equal(summed, total)
+        torch.testing.assert_close(normed, ref(total), **TOL[dtype])
+        # a strided input (a slice of a wider row) is normalised the same
+        wide = torch.cat([x, x], dim=-1)
+        torch.testing.assert_close(cpu_kernels.rms_norm(wide[..., : shape[-1]], ref.weight, 1e-5), ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, d = 6, 4, 2, 32
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)  # q and k are views of it
+    q = qkv[:, : heads * d].reshape(n, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(n, kv_heads, d)
+    angles = torch.rand(n, d // 2, generator=g) * 50
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    got_q, got_k = cpu_kernels.rotary(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), **TOL[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # the values beside them untouched
+
+
+def test_pointwise_bad_input_is_refused_by_name() -> None:
+    with pytest.raises(RuntimeError, match="rms_norm: .*must share dtype"):
+        cpu_kernels.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm: x must be contiguous"):
+        cpu_kernels.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="rotary: q must be"):
+        cpu_kernels.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 1, 7), torch.zeros(2, 7), torch.zeros(2, 7))

@@ -19,8 +19,8 @@ VARIANTS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     "speculative-ngram": {"speculative_ngram": 3},
     "shape-buckets": {"shape_buckets": True},
-    "workspace-decode": {"paged_decode_kernel": False},
-    "gather-decode": {"paged_decode_kernel": False, "decode_workspace": False},
+    "workspace-decode": {"cpu_kernels": False},
+    "gather-decode": {"cpu_kernels": False, "decode_workspace": False},
 }
 
 
@@ -98,7 +98,7 @@ def test_varied_output_lengths_with_requests_joining(llama_dir: Path, kernel: bo
     prompts = mixed_prompts(7, seed=6, lo=4, hi=30)
     lens = [3, 17, 9, 1, 12, 5, 14]
     llm = LLM(str(llama_dir), block_size=4, num_blocks=128, max_model_len=96, max_num_seqs=3,
-              enable_prefix_caching=False, paged_decode_kernel=kernel)
+              enable_prefix_caching=False, cpu_kernels=kernel)
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens])
     runner = llm.engine.runner
     assert runner.decode_kernel == kernel

@@ -19,7 +19,7 @@ from torchbridge.serve.sequence import Sequence
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
-DECODES = {"kernel": {}, "workspace": {"paged_decode_kernel": False}}  # how cpu decode steps read the cache
+DECODES = {"kernel": {}, "workspace": {"cpu_kernels": False}}  # how cpu decode steps read the cache
 
 
 def engine_logits(model_dir: Path, prompts: list[list[int]], chunk: int, device: str, pad: bool,

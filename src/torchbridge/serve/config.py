@@ -159,9 +159,10 @@ class EngineConfig:
     ngram_max: int = 3
     # None: on for devices that compile per shape (anything but cpu and cuda).
     shape_buckets: bool | None = None
-    # None: on for the cpu without shape buckets. Decodes run the engine's C++ kernel over the paged cache
-    # (serve/cpu_kernels.py); where it cannot be built, the workspace below serves them.
-    paged_decode_kernel: bool | None = None
+    # None: on for the cpu without shape buckets. The engine's C++ kernels (serve/cpu_kernels.py): decode
+    # attention over the paged cache, RMSNorm, rotary; where they cannot be built, the plain torch ops
+    # run and the workspace below serves decodes.
+    cpu_kernels: bool | None = None
     # None: on without shape buckets. Decodes read K/V from per-sequence contiguous rows (attention.py).
     decode_workspace: bool | None = None
     # None: on for the bridge's device. Each shape bucket's whole step (model and logits) is one
@@ -192,10 +193,10 @@ class EngineConfig:
             raise ValueError("num_blocks must be at least 2")
         if self.shape_buckets is None:
             self.shape_buckets = torch.device(self.device).type not in ("cpu", "cuda")
-        if self.paged_decode_kernel is None:
-            self.paged_decode_kernel = torch.device(self.device).type == "cpu" and not self.shape_buckets
-        if self.paged_decode_kernel and torch.device(self.device).type != "cpu":
-            raise ValueError(f"paged_decode_kernel is the engine's CPU kernel; device {self.device!r} is not the cpu")
+        if self.cpu_kernels is None:
+            self.cpu_kernels = torch.device(self.device).type == "cpu" and not self.shape_buckets
+        if self.cpu_kernels and torch.device(self.device).type != "cpu":
+            raise ValueError(f"cpu_kernels are the engine's CPU kernels; device {self.device!r} is not the cpu")
         if self.decode_workspace is None:
             self.decode_workspace = not self.shape_buckets
         if self.compile_model is None:

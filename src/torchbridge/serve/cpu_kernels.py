@@ -2,9 +2,11 @@
 
 `paged_decode_attention` reads each decoding sequence's keys and values from the paged cache in place
 (serve/csrc/paged_attention.cpp): a decode step neither gathers the context nor pads it to the step's
-longest one. It is compiled for this CPU (-march=native; the CPU's flags are part of the build's key),
-on first use (~20 s on 2 cores). Where no C++ compiler works, `available()` says why and the engine
-decodes through its workspace instead (serve/attention.py).
+longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
+small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
+so the model calls either through the same lines. They are compiled for this CPU (-march=native; the
+CPU's flags are part of the build's key), on first use (~20 s on 2 cores). Where no C++ compiler works,
+`available()` says why and the engine runs the plain torch ops and decodes through its workspace.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "pointwise.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
 
@@ -26,8 +28,9 @@ def _load() -> None:
 
     key = (torch.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode() + " ".join(_CFLAGS).encode()
            + cpp_build.cpu_signature())
-    build = cpp_build.build_dir("serve-cpu", [_SOURCE], key)
-    cpp_build.load("torchbridge_serve_cpu", build, [_SOURCE.name], extra_cflags=_CFLAGS, is_python_module=False)
+    build = cpp_build.build_dir("serve-cpu", _SOURCES, key)
+    cpp_build.load("torchbridge_serve_cpu", build, [p.name for p in _SOURCES], extra_cflags=_CFLAGS,
+                   is_python_module=False)
 
 
 def available() -> str | None:
@@ -54,3 +57,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     torch.ops.torchbridge_serve.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, block_tables,
                                                        context_lens, scale, window or 0)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) over the last dimension (normalised in fp32, as Hugging Face's RMSNorm)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops.torchbridge_serve.rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual). The sum is written into `residual`'s memory (the layer's
+    fresh attention output), which the caller must not read as before."""
+    x, residual = x.contiguous(), residual.contiguous()
+    out = torch.empty_like(x)
+    torch.ops.torchbridge_serve.add_rms_norm(out, residual, x, weight, eps)
+    return out, residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, H, D] and k [N, KVH, D] rotated in place by cos/sin [N, D] (Llama's rotate-half form); returns them."""
+    torch.ops.torchbridge_serve.rotary(q, k, cos.contiguous(), sin.contiguous())
+    return q, k

@@ -111,7 +111,7 @@ def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrap
     return step
 
 
-def _cpu_kernel_builds() -> bool:
+def _cpu_kernels_build() -> bool:
     from torchbridge.serve import cpu_kernels
 
     return cpu_kernels.available() is None
@@ -145,8 +145,10 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
-        # The CPU decode kernel, when asked for and it builds (else the workspace, if on, serves decodes).
-        self.decode_kernel = bool(config.paged_decode_kernel) and _cpu_kernel_builds()
+        # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
+        # serves decodes).
+        self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
+        self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
                             config.max_num_seqs, config.num_blocks * config.block_size)

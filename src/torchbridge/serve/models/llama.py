@@ -54,13 +54,19 @@ def enabled_kernels() -> frozenset[str]:
 
 
 class _Kernels:
-    """Which shipped kernels a module calls, and only on the bridge's device (set by the model)."""
+    """Which shipped kernels a module calls, and only on the bridge's device (set by the model); on the
+    cpu, whether it calls the engine's C++ kernels (serve/cpu_kernels.py, same signatures)."""
 
     names: frozenset[str] = frozenset()
     device_type: str | None = None
+    cpu: bool = False
 
     def kernel(self, name: str, x: torch.Tensor) -> Any:
         """The module of shipped kernel `name` (torchbridge.kernels.<name>) when it applies to `x`, else None."""
+        if self.cpu and x.device.type == "cpu" and name in ("rms_norm", "rotary"):
+            from torchbridge.serve import cpu_kernels
+
+            return cpu_kernels
         if name not in self.names or x.device.type != self.device_type:
             return None
         # the bridge's device is in use, so its packages are loaded
@@ -298,6 +304,12 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, _Kernels):
                 m.names, m.device_type = frozenset(names), device_name()
+
+    def use_cpu_kernels(self, on: bool) -> None:
+        """Call the engine's C++ kernels (RMSNorm, rotary) for cpu tensors; they must be loaded."""
+        for m in self.modules():
+            if isinstance(m, _Kernels):
+                m.cpu = on
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata

@@ -1,0 +1,148 @@
+// The decoder layer's small per-token ops as one pass each, for the engine on the CPU: RMSNorm (with the
+// residual add before it) and the rotary embedding of queries and keys. Unfused, each is five to eight
+// ATen ops of a few microseconds over a few kilobytes, twice per layer and step.
+//
+// Rounding follows the unfused ops (and Hugging Face's modules): RMSNorm normalises in fp32, rounds to
+// the input dtype, then multiplies by the weight in that dtype; the residual add and each product and sum
+// of the rotation are rounded to the input dtype.
+//
+//   rms_norm(out, x, weight, eps)                  x, out: [..., D] (rows contiguous), weight: [D]
+//   add_rms_norm(out, residual, x, weight, eps)    residual += x (the layer's stream); out = norm(residual)
+//   rotary(q, k, cos, sin)                         q: [N, H, D], k: [N, KVH, D] (row strides allowed),
+//                                                  rotated in place; cos, sin: [N, D] in q's dtype
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename T>
+inline float wide(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float wide(c10::BFloat16 v) {
+  return c10::bit_cast<float>(static_cast<uint32_t>(v.x) << 16);
+}
+
+template <typename T>
+inline float round_to(float v) {  // the value after a store in T
+  return wide(static_cast<T>(v));
+}
+
+template <typename T>
+void norm_row(T* out, const T* x, const T* w, int64_t d, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < d; ++i) sum += wide(x[i]) * wide(x[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(wide(w[i]) * round_to<T>(wide(x[i]) * inv));
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t d) {
+  TORCH_CHECK(t.size(-1) == d && t.is_contiguous(),
+              "rms_norm: ", name, " must be contiguous [..., ", d, "]; got shape ", t.sizes(), " strides ", t.strides());
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t d = weight.numel();
+  check_rows(x, "x", d);
+  check_rows(out, "out", d);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type()
+                  && weight.is_contiguous(),
+              "rms_norm: out, x and a contiguous weight must share dtype (out and x: shape); got x ", x.sizes(), " ",
+              x.scalar_type(), ", weight ", weight.scalar_type(), ", out ", out.sizes(), " ", out.scalar_type());
+  const int64_t rows = x.numel() / d;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(op + r * d, xp + r * d, wp, d, static_cast<float>(eps));
+    });
+  });
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t d = weight.numel();
+  check_rows(x, "x", d);
+  check_rows(out, "out", d);
+  check_rows(residual, "residual", d);
+  TORCH_CHECK(out.sizes() == x.sizes() && residual.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
+                  residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              "add_rms_norm: out, residual, x and a contiguous weight must share dtype (and all but weight shape); "
+              "got x ", x.sizes(), " ", x.scalar_type(), ", residual ", residual.sizes(), " ", residual.scalar_type());
+  const int64_t rows = x.numel() / d;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* h = rp + r * d;
+        const scalar_t* xr = xp + r * d;
+        for (int64_t i = 0; i < d; ++i) h[i] = static_cast<scalar_t>(wide(h[i]) + wide(xr[i]));
+        norm_row(op + r * d, h, wp, d, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+template <typename T>
+void rotate(T* x, const T* c, const T* s, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = wide(x[i]), b = wide(x[i + half]);
+    // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded to T
+    x[i] = static_cast<T>(round_to<T>(a * wide(c[i])) + round_to<T>(-b * wide(s[i])));
+    x[i + half] = static_cast<T>(round_to<T>(b * wide(c[i + half])) + round_to<T>(a * wide(s[i + half])));
+  }
+}
+
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "rotary: q must be [N, H, D] and k [N, KVH, D] with D even; got q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary: each token's heads of q and k must be contiguous (a row stride is allowed)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(),
+              "rotary: cos and sin must be contiguous [N, D] in q's dtype; got ", cos.sizes(), " ", cos.scalar_type(),
+              " for q ", q.sizes(), " ", q.scalar_type());
+  const int64_t n = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0), ks = k.stride(0);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < hq; ++h) rotate(qp + t * qs + h * d, cp + t * d, sp + t * d, d);
+        for (int64_t h = 0; h < hk; ++h) rotate(kp + t * ks + h * d, cp + t * d, sp + t * d, d);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torchbridge_serve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torchbridge_serve, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("rotary", rotary);
+}
