@@ -95,6 +95,7 @@ def test_the_engine_decodes_through_the_kernel_on_cpu(tmp_path) -> None:
     llm = LLM(str(model_dir), block_size=4, num_blocks=128, max_model_len=96)
     runner = llm.engine.runner
     assert runner.decode_kernel and runner.workspace is None
+    assert any(getattr(m, "cpu", None) is True for m in runner.model.modules())  # RMSNorm and rotary too
     kinds = []
     prepare = runner.prepare
     runner.prepare = lambda *a, **k: (lambda inp: kinds.extend(type(g) for g in inp.meta.groups) or inp)(prepare(*a, **k))
@@ -159,3 +160,26 @@ def test_pointwise_bad_input_is_refused_by_name() -> None:
         cpu_kernels.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="rotary: q must be"):
         cpu_kernels.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 1, 7), torch.zeros(2, 7), torch.zeros(2, 7))
+
+
+def test_without_a_compiler_the_engine_runs_the_plain_ops(tmp_path, monkeypatch) -> None:
+    """A machine where the build fails (no compiler): available() says why, the engine warns and serves
+    through the workspace and torch's own ops, still token for token equal to Hugging Face."""
+    from serve_support import hf_greedy, mixed_prompts, save_model
+
+    from torchbridge.serve import LLM, SamplingParams
+
+    def no_compiler() -> None:
+        raise RuntimeError("Error building extension 'torchbridge_serve_cpu'\nc++: error: command not found")
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_load", no_compiler)
+    assert "c++: error: command not found" in cpu_kernels.available()
+    model_dir = save_model(tmp_path, "qwen3", None, seed=4)
+    llm = LLM(str(model_dir), block_size=4, num_blocks=128, max_model_len=96)
+    runner = llm.engine.runner
+    assert not runner.decode_kernel and runner.workspace is not None
+    assert not any(getattr(m, "cpu", None) is True for m in runner.model.modules())  # (nn.Module.cpu is a method)
+    prompts = mixed_prompts(3, seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 5) for p in prompts]

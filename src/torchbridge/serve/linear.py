@@ -6,7 +6,9 @@ at load (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's freezing pas
 reason), and the layer then multiplies through `torch.ops.mkldnn._linear_pointwise`. Measured on
 the bench model's shapes (hidden 512, 1-1024 rows; docs/benchmarks/serve.md): bf16 1.4-1.8x faster up
 to 128 rows and level above; fp32 1.2-2.0x from 8 to 128 rows, level above, but 0.8x for a single
-row, where MKL's matrix-vector path wins, so fp32 keeps the plain weight for one-row calls.
+row, where MKL's matrix-vector path wins, so fp32 keeps the plain weight for one-row calls (its linears
+take twice the memory). In bf16/fp16 the plain weight is released (left on the meta device, for its
+shape), unless another module shares it (tied embeddings).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class Linear(nn.Linear):
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32) and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and (x.dtype != torch.float32 or x.numel() > x.shape[-1]):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
@@ -43,9 +46,15 @@ def packing_supported(dtype: torch.dtype) -> bool:
 @torch.no_grad()
 def pack(model: nn.Module) -> int:
     """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs); returns how many."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     n = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu" and packing_supported(m.weight.dtype):
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
-            n += 1
+    for m in linears:
+        w = m.weight
+        if w.device.type != "cpu" or not packing_supported(w.dtype):
+            continue
+        m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        if w.dtype != torch.float32 and w.data_ptr() not in shared:
+            m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
+        n += 1
     return n
