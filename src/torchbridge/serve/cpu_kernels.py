@@ -42,8 +42,8 @@ def available() -> str | None:
         except Exception as e:  # no compiler, headers missing, ...: the engine has a plain-torch path
             lines = str(e).strip().splitlines() or [""]
             _state["error"] = f"{type(e).__name__}: {next((ln for ln in lines if 'error' in ln), lines[-1])}"
-            log.warning("the engine's CPU kernels could not be built (%s); running the plain torch ops, decoding through the workspace",
-                        _state["error"])
+            log.warning("the engine's CPU kernels could not be built (%s); running the plain torch ops, "
+                        "decoding through the workspace", _state["error"])
     return _state["error"]  # type: ignore[return-value]
 
 
