@@ -28,7 +28,7 @@ def _load() -> None:
 
     key = (torch.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode() + " ".join(_CFLAGS).encode()
            + cpp_build.cpu_signature())
-    build = cpp_build.build_dir("serve-cpu", _SOURCES, key)
+    build = cpp_build.build_dir("serve-cpu", [*_SOURCES, _SOURCES[0].parent / "widen.h"], key)
     cpp_build.load("torchbridge_serve_cpu", build, [p.name for p in _SOURCES], extra_cflags=_CFLAGS,
                    is_python_module=False)
 

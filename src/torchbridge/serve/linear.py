@@ -3,12 +3,13 @@
 `F.linear` on the CPU lays the weight out for its GEMM kernel again at every call; at a decode step's
 few rows that re-layout is a large part of the call. `pack(model)` lays every linear's weight out once,
 at load (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's freezing pass uses for the same
-reason), and the layer then multiplies through `torch.ops.mkldnn._linear_pointwise`. Measured on
-the bench model's shapes (hidden 512, 1-1024 rows; docs/benchmarks/serve.md): bf16 1.4-1.8x faster up
-to 128 rows and level above; fp32 1.2-2.0x from 8 to 128 rows, level above, but 0.8x for a single
-row, where MKL's matrix-vector path wins, so fp32 keeps the plain weight for one-row calls (its linears
-take twice the memory). In bf16/fp16 the plain weight is released (left on the meta device, for its
-shape), unless another module shares it (tied embeddings).
+reason), and the layer then multiplies through `torch.ops.mkldnn._linear_pointwise`. Measured on the
+bench model's five weight shapes (bench/bench_serve_kernels.py, docs/benchmarks/serve_kernels.md): bf16
+1.2-1.6x F.linear from 1 to 512 rows; fp32 1.6x at 8 rows, level from 32 rows up (0.99-1.06x in that
+run, 1.2-1.4x in an earlier one), slower at one row (0.8-0.95x), where MKL's matrix-vector path wins, so
+fp32 keeps the plain weight for one-row calls (its linears take twice the memory). In bf16/fp16 the plain
+weight is released (left on the meta device, for its shape), unless another module shares it (tied
+embeddings).
 """
 
 from __future__ import annotations

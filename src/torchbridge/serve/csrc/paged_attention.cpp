@@ -16,6 +16,8 @@
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,28 +27,20 @@
 
 namespace {
 
-// Widening loads the compiler vectorises (c10's BFloat16 -> float goes through a call per element).
-template <typename T>
-inline float wide(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-template <>
-inline float wide(const c10::BFloat16* p, int64_t i) {
-  return c10::bit_cast<float>(static_cast<uint32_t>(p[i].x) << 16);
-}
+using torchbridge_serve::widen;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * wide(k, i);
+  for (int64_t i = 0; i < d; ++i) s += q[i] * widen(k[i]);
   return s;
 }
 
 template <typename T>
 inline void axpy(float a, const T* v, float* acc, int64_t d) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += a * wide(v, i);
+  for (int64_t i = 0; i < d; ++i) acc[i] += a * widen(v[i]);
 }
 
 // Scores of one query against four keys at once: the four reductions share the query's loads and
@@ -56,10 +50,10 @@ inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T*
   float a = 0.f, b = 0.f, c = 0.f, e = 0.f;
 #pragma omp simd reduction(+ : a, b, c, e)
   for (int64_t i = 0; i < d; ++i) {
-    a += q[i] * wide(k0, i);
-    b += q[i] * wide(k1, i);
-    c += q[i] * wide(k2, i);
-    e += q[i] * wide(k3, i);
+    a += q[i] * widen(k0[i]);
+    b += q[i] * widen(k1[i]);
+    c += q[i] * widen(k2[i]);
+    e += q[i] * widen(k3[i]);
   }
   s[0] = a, s[1] = b, s[2] = c, s[3] = e;
 }
@@ -187,7 +181,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
       locate(r, where);
       const int64_t n = where.size();
       float* s = sp + r * heads * longest;
-      for (int64_t i = 0; i < heads * d; ++i) qf[i] = wide(qp + r * heads * d, i) * scale;
+      for (int64_t i = 0; i < heads * d; ++i) qf[i] = widen(qp[r * heads * d + i]) * scale;
       for (int64_t j0 = 0; j0 < n; j0 += chunk) {
         const int64_t count = std::min(chunk, n - j0);
         const int64_t* w = where.data() + j0;

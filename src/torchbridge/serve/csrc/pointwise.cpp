@@ -18,31 +18,26 @@
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <cmath>
 
 namespace {
 
-template <typename T>
-inline float wide(T v) {
-  return static_cast<float>(v);
-}
-template <>
-inline float wide(c10::BFloat16 v) {
-  return c10::bit_cast<float>(static_cast<uint32_t>(v.x) << 16);
-}
+using torchbridge_serve::widen;
 
 template <typename T>
 inline float round_to(float v) {  // the value after a store in T
-  return wide(static_cast<T>(v));
+  return widen(static_cast<T>(v));
 }
 
 template <typename T>
 void norm_row(T* out, const T* x, const T* w, int64_t d, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < d; ++i) sum += wide(x[i]) * wide(x[i]);
+  for (int64_t i = 0; i < d; ++i) sum += widen(x[i]) * widen(x[i]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(wide(w[i]) * round_to<T>(wide(x[i]) * inv));
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(widen(w[i]) * round_to<T>(widen(x[i]) * inv));
 }
 
 void check_rows(const at::Tensor& t, const char* name, int64_t d) {
@@ -89,7 +84,7 @@ void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, cons
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* h = rp + r * d;
         const scalar_t* xr = xp + r * d;
-        for (int64_t i = 0; i < d; ++i) h[i] = static_cast<scalar_t>(wide(h[i]) + wide(xr[i]));
+        for (int64_t i = 0; i < d; ++i) h[i] = static_cast<scalar_t>(widen(h[i]) + widen(xr[i]));
         norm_row(op + r * d, h, wp, d, static_cast<float>(eps));
       }
     });
@@ -100,10 +95,10 @@ template <typename T>
 void rotate(T* x, const T* c, const T* s, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float a = wide(x[i]), b = wide(x[i + half]);
+    const float a = widen(x[i]), b = widen(x[i + half]);
     // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded to T
-    x[i] = static_cast<T>(round_to<T>(a * wide(c[i])) + round_to<T>(-b * wide(s[i])));
-    x[i + half] = static_cast<T>(round_to<T>(b * wide(c[i + half])) + round_to<T>(a * wide(s[i + half])));
+    x[i] = static_cast<T>(round_to<T>(a * widen(c[i])) + round_to<T>(-b * widen(s[i])));
+    x[i + half] = static_cast<T>(round_to<T>(b * widen(c[i + half])) + round_to<T>(a * widen(s[i + half])));
   }
 }
 

@@ -1,0 +1,121 @@
+"""The engine's CPU kernels against what the engine ran before them, arms alternated, several rounds.
+
+- decode attention: `torchbridge_serve::paged_decode_attention` (the pool read in place, each row to its
+  own length) vs `scaled_dot_product_attention` over the decode workspace's contiguous rows (padded to
+  the step's longest context), for MHA and GQA shapes, fp32 and bf16;
+- linears: oneDNN pre-packed weights (serve/linear.py) vs `F.linear`, the bench model's five weight
+  shapes summed, 1 to 1024 rows.
+One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
+
+    python bench/bench_serve_kernels.py [--rounds 5] [--write docs/benchmarks/serve_kernels.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = [  # rows, heads, kv heads, head size, longest context
+    (32, 8, 8, 64, 256), (32, 8, 8, 64, 1024), (8, 32, 8, 128, 2048), (32, 32, 8, 128, 512)]
+LINEAR_SHAPES = [(512, 1536), (512, 512), (512, 2816), (1408, 512), (512, 8000)]  # (in, out): the bench model
+ROWS = [1, 8, 32, 45, 128, 512, 1024]
+
+
+def timed(fn, n: int) -> float:  # noqa: ANN001
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def attention_cases(dtype: torch.dtype):  # noqa: ANN201
+    from torchbridge.serve import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    for rows, heads, kv_heads, d, longest in ATTENTION:
+        bs, blocks = 16, longest // 16
+        pool = rows * blocks + 1
+        k_cache = torch.randn(pool, bs, kv_heads, d, generator=g).to(dtype)
+        v_cache = torch.randn(pool, bs, kv_heads, d, generator=g).to(dtype)
+        tables = torch.randperm(pool - 1, generator=g)[: rows * blocks].view(rows, blocks)
+        lens = torch.randint(longest // 8, longest, (rows,), generator=g)
+        q = torch.randn(rows, heads, d, generator=g).to(dtype)
+        n = int(lens.max())
+        kw = torch.randn(rows, kv_heads, n, d, generator=g).to(dtype)
+        vw = torch.randn(rows, kv_heads, n, d, generator=g).to(dtype)
+        mask = (torch.arange(n)[None, :] < lens[:, None])[:, None, None, :]
+        qg = q.view(rows, kv_heads, heads // kv_heads, d)
+        name = f"{rows} rows, {heads}/{kv_heads} heads of {d}, contexts {longest // 8}-{longest}"
+        yield (name,
+               lambda qg=qg, kw=kw, vw=vw, mask=mask, d=d: F.scaled_dot_product_attention(qg, kw, vw, attn_mask=mask,
+                                                                                          scale=d**-0.5),
+               lambda q=q, k=k_cache, v=v_cache, t=tables, ln=lens, d=d: cpu_kernels.paged_decode_attention(
+                   q, k, v, t, ln, d**-0.5))
+
+
+def linear_cases(dtype: torch.dtype):  # noqa: ANN201
+    from torchbridge.serve.linear import Linear, pack
+
+    layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in LINEAR_SHAPES).to(dtype)
+    plain = [layer.weight.detach().clone() for layer in layers]
+    pack(layers)
+    for rows in ROWS:
+        xs = [torch.randn(rows, i).to(dtype) for i, _ in LINEAR_SHAPES]
+        yield (f"{rows} rows",
+               lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, plain, strict=True)],
+               lambda xs=xs: [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)])
+
+
+def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
+    from torchbridge.serve import cpu_kernels
+
+    assert cpu_kernels.available() is None, cpu_kernels.available()
+    out = []
+    for part, cases in (("decode attention", attention_cases), ("linears", linear_cases)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, old, new in cases(dtype):
+                n = max(3, int(0.05 / max(timed(new, 1), 1e-6)))
+                olds, news = [], []
+                for r in range(rounds):  # alternated, the order flipped every round
+                    for arm in ((old, new) if r % 2 == 0 else (new, old)):
+                        (olds if arm is old else news).append(timed(arm, n))
+                ratios = [a / b for a, b in zip(olds, news, strict=True)]
+                out.append((part, str(dtype).removeprefix("torch."), name, statistics.median(olds) * 1e3,
+                            statistics.median(news) * 1e3, ratios))
+                print(f"{part:16s} {out[-1][1]:8s} {name:45s} old {out[-1][3]:8.3f} ms  new {out[-1][4]:8.3f} ms  "
+                      f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--write", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = run(args.rounds)
+    if args.write:
+        lines = ["# The engine's CPU kernels vs the ops they replaced", "",
+                 f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds} --write {args.write}`", "",
+                 f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, "
+                 "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
+                 "| part | dtype | case | old ms | new ms | old / new (range) |", "|---|---|---|---:|---:|---:|"]
+        for part, dt, name, o, n, r in rows:
+            lines.append(f"| {part} | {dt} | {name} | {o:.3f} | {n:.3f} | {statistics.median(r):.2f}x "
+                         f"({min(r):.2f}-{max(r):.2f}) |")
+        lines += ["", "Old: decode attention is `scaled_dot_product_attention` over the decode workspace (contiguous "
+                  "rows padded to the step's longest context); linears are `F.linear`. New: "
+                  "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
+                  "(fp32 one-row calls stay on `F.linear` by design)."]
+        args.write.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
