@@ -52,6 +52,15 @@ def load(name: str, build: Path, sources: Sequence[str], **kwargs: object) -> Mo
                         verbose=os.environ.get("TORCHBRIDGE_VERBOSE_BUILD") == "1", **kwargs)
 
 
+def torch_signature() -> bytes:
+    """The torch installation a build compiles and links against: its version and its directory, not the
+    version alone (the build's command line names its include and library directories, so an environment
+    with its own copy of torch sharing the cache rebuilt each time the other had built last)."""
+    import torch
+
+    return torch.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode()
+
+
 def cpu_signature() -> bytes:
     """What -march=native compiles for: the CPU's model and feature flags (a cache shared by machines
     of another kind must not hand them a binary with instructions they lack)."""

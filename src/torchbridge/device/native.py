@@ -16,16 +16,13 @@ _module: ModuleType | None = None
 
 def _build_dir() -> Path:
     import jax
-    import torch
 
     from torchbridge import cpp_build
 
-    # The torch and JAX installations are part of the key, not only their versions: the build's command
-    # line names their include and library directories, so two environments (the project's and a peer's
-    # with its own copy of torch) sharing one build directory rebuilt it each time the other had built
-    # last (~55 s per switch on 2 cores).
-    key = (torch.__version__.encode() + jax.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode()
-           + jax.ffi.include_dir().encode() + " ".join(_CFLAGS).encode())
+    # The torch and JAX installations are part of the key, not only their versions (a peer venv with its
+    # own torch sharing the cache rebuilt each time the other had built last: ~55 s per switch on 2 cores).
+    key = cpp_build.torch_signature() + jax.__version__.encode() + jax.ffi.include_dir().encode() + " ".join(
+        _CFLAGS).encode()
     return cpp_build.build_dir("native", _SOURCES + _HEADERS, key)
 
 

@@ -18,7 +18,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "pointwise.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp")]
+_HEADERS = [_CSRC / "widen.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
 
@@ -26,9 +28,8 @@ _state: dict[str, object] = {}
 def _load() -> None:
     from torchbridge import cpp_build
 
-    key = (torch.__version__.encode() + str(Path(torch.__file__).resolve().parent).encode() + " ".join(_CFLAGS).encode()
-           + cpp_build.cpu_signature())
-    build = cpp_build.build_dir("serve-cpu", [*_SOURCES, _SOURCES[0].parent / "widen.h"], key)
+    key = cpp_build.torch_signature() + " ".join(_CFLAGS).encode() + cpp_build.cpu_signature()
+    build = cpp_build.build_dir("serve-cpu", _SOURCES + _HEADERS, key)
     cpp_build.load("torchbridge_serve_cpu", build, [p.name for p in _SOURCES], extra_cflags=_CFLAGS,
                    is_python_module=False)
 
