@@ -4,7 +4,9 @@
   own length) vs `scaled_dot_product_attention` over the decode workspace's contiguous rows (padded to
   the step's longest context), for MHA and GQA shapes, fp32 and bf16;
 - linears: oneDNN pre-packed weights (serve/linear.py) vs `F.linear`, the bench model's five weight
-  shapes summed, 1 to 1024 rows.
+  shapes summed, 1 to 1024 rows;
+- AMX linears (bf16, where the CPU has AMX): `torchbridge_serve::amx_linear` vs oneDNN's packed call at a
+  decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
     python bench/bench_serve_kernels.py [--rounds 5] [--write docs/benchmarks/serve_kernels.md]
@@ -25,6 +27,8 @@ ATTENTION = [  # rows, heads, kv heads, head size, longest context
     (32, 8, 8, 64, 256), (32, 8, 8, 64, 1024), (8, 32, 8, 128, 2048), (32, 32, 8, 128, 512)]
 LINEAR_SHAPES = [(512, 1536), (512, 512), (512, 2816), (1408, 512), (512, 8000)]  # (in, out): the bench model
 ROWS = [1, 8, 32, 45, 128, 512, 1024]
+BUNDLED_SHAPES = [(256, 512), (256, 256), (256, 1536), (768, 256), (256, 4096)]  # fused qkv, o, gate/up, down, head
+AMX_ROWS = [1, 4, 8, 16, 32]
 
 
 def timed(fn, n: int) -> float:  # noqa: ANN001
@@ -73,13 +77,37 @@ def linear_cases(dtype: torch.dtype):  # noqa: ANN201
                lambda xs=xs: [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)])
 
 
+def amx_cases(dtype: torch.dtype):  # noqa: ANN201
+    from torchbridge.serve.linear import Linear, pack
+
+    for model, shapes in (("bench model", LINEAR_SHAPES), ("bundled model", BUNDLED_SHAPES)):
+        layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+        pack(layers, amx=True)
+        tiles = [layer.tiles for layer in layers]
+
+        def with_tiles(on: bool, xs: list[torch.Tensor], layers=layers, tiles=tiles) -> None:  # noqa: ANN001
+            for layer, t, x in zip(layers, tiles, xs, strict=True):
+                layer.tiles = t if on else None
+                layer.matmul(x)
+
+        for rows in AMX_ROWS:
+            xs = [torch.randn(rows, i).to(dtype) for i, _ in shapes]
+            yield (f"{model}, {rows} rows", lambda xs=xs: with_tiles(False, xs), lambda xs=xs: with_tiles(True, xs))
+
+
 def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
     out = []
-    for part, cases in (("decode attention", attention_cases), ("linears", linear_cases)):
-        for dtype in (torch.float32, torch.bfloat16):
+    parts = [("decode attention", attention_cases, (torch.float32, torch.bfloat16)),
+             ("linears", linear_cases, (torch.float32, torch.bfloat16))]
+    if cpu_kernels.amx_available():
+        parts.append(("AMX linears", amx_cases, (torch.bfloat16,)))
+    else:
+        print("no AMX-BF16 on this CPU: the AMX part is not run")
+    for part, cases, dtypes in parts:
+        for dtype in dtypes:
             for name, old, new in cases(dtype):
                 n = max(3, int(0.05 / max(timed(new, 1), 1e-6)))
                 olds, news = [], []
@@ -113,7 +141,9 @@ def main() -> None:
         lines += ["", "Old: decode attention is `scaled_dot_product_attention` over the decode workspace (contiguous "
                   "rows padded to the step's longest context); linears are `F.linear`. New: "
                   "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
-                  "(fp32 one-row calls stay on `F.linear` by design)."]
+                  "(fp32 one-row calls stay on `F.linear` by design). AMX linears: old is the oneDNN packed call, new "
+                  "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp); both on the same layers, weights "
+                  "packed once."]
         args.write.write_text("\n".join(lines) + "\n")
 
 

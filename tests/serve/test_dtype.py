@@ -46,3 +46,44 @@ def test_half_precision_within_hf_own_error(llama_dir: Path, dtype: str) -> None
     assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
     # Within HF's own error (a factor 2 of slack: accumulation order differs between implementations).
     assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_decode_steps_within_hf_own_error(llama_dir: Path, dtype: str) -> None:
+    """Decode steps (a few rows per linear: on a CPU with AMX, bf16 runs them through the AMX kernel),
+    checked the same way: our own greedy continuation, teacher-forced through Hugging Face in float32 and
+    in `dtype`, and the engine's log-probabilities at every generated position against float32."""
+    from transformers import AutoModelForCausalLM
+
+    from torchbridge.serve.linear import Linear
+
+    torch_dtype = getattr(torch, dtype)
+    prompts = mixed_prompts(4, seed=11, lo=5, hi=30)
+    llm = LLM(str(llama_dir), dtype=dtype, block_size=4, num_blocks=128, max_model_len=96)
+    runner = llm.engine.runner
+    if dtype == "bfloat16" and runner.decode_kernel:
+        from torchbridge.serve import cpu_kernels
+
+        tiled = [m.tiles is not None for m in runner.model.modules() if isinstance(m, Linear)]
+        assert all(tiled) if cpu_kernels.amx_available() else not any(tiled)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=TOP))
+    ref32 = hf_model(str(llama_dir))
+    ref16 = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch_dtype).eval()
+    hf_err, our_err = [], []
+    for p, out in zip(prompts, outs, strict=True):
+        ids = p + list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            lp32 = torch.log_softmax(ref32(torch.tensor([ids])).logits[0].double(), -1)
+            lp16 = torch.log_softmax(ref16(torch.tensor([ids])).logits[0].double(), -1)
+        for i, step in enumerate(out.outputs[0].logprobs[1:], start=1):  # positions a decode step computed
+            pos = len(p) + i - 1
+            ours = dict(step["top"])
+            common = [t for t in lp32[pos].topk(TOP).indices.tolist() if t in ours]
+            assert len(common) >= TOP - 3
+            hf_err.append(max(abs(float(lp16[pos, t] - lp32[pos, t])) for t in common))
+            our_err.append(max(abs(ours[t] - float(lp32[pos, t])) for t in common))
+    assert len(our_err) == 4 * 7
+    hf_max, ours_max = max(hf_err), max(our_err)
+    hf_mean, ours_mean = sum(hf_err) / len(hf_err), sum(our_err) / len(our_err)
+    assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
+    assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)

@@ -38,3 +38,70 @@ def test_packed_matches_float64_reference(dtype: torch.dtype, atol: float, rows:
     # the tied weight is still the embedding's; bf16 drops the plain copy of the others, fp32 keeps it (one-row calls)
     assert model.head.weight.device.type == "cpu" and model.head.weight is model.embed.weight
     assert model.up.weight.device.type == ("cpu" if dtype == torch.float32 else "meta")
+
+
+# ---- bf16 on Intel AMX (serve/csrc/amx_linear.cpp) -------------------------------------------------------
+
+def _amx_or_skip() -> None:
+    from torchbridge.serve import cpu_kernels
+
+    if cpu_kernels.available() is not None:
+        pytest.skip(f"the engine's CPU kernels do not build here: {cpu_kernels.available()}")
+    if not cpu_kernels.amx_available():
+        pytest.skip("this CPU has no AMX-BF16 (or Linux did not grant the tile state): the kernel cannot run")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (64, 160, False), (512, 1408, True)])
+def test_amx_kernel_is_the_float64_product_rounded_once(rows: int, n: int, k: int, bias: bool) -> None:
+    """fp32 accumulation then one rounding to bf16: within bf16's unit roundoff (2^-8 relative) of the exact
+    product, plus fp32 accumulation error; a wrong tile layout or row mapping is off by O(1)."""
+    _amx_or_skip()
+    from torchbridge.serve.cpu_kernels import amx_linear
+    from torchbridge.serve.linear import amx_layout
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = amx_linear(x, amx_layout(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8 + 1e-5, atol=1e-5)
+
+
+def test_amx_layer_routes_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack(amx=True): layers whose sizes are multiples of 32 get tiles and send <= AMX_MAX_ROWS rows to
+    the kernel, longer calls to oneDNN; both equal the float64 product; other layers get no tiles."""
+    _amx_or_skip()
+    from torchbridge.serve import cpu_kernels
+    from torchbridge.serve.linear import AMX_MAX_ROWS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(64, 96, bias=True), Linear(96, 50)).to(torch.bfloat16)
+    w, b = model[0].weight.detach().double().clone(), model[0].bias.detach().double().clone()
+    assert pack(model, amx=True) == 2
+    assert model[0].tiles is not None and model[1].tiles is None  # 50 outputs: not a multiple of 32
+    calls = []
+    real = cpu_kernels.amx_linear
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(model[0](x).double(), x.double() @ w.T + b, atol=3e-2, rtol=2e-2)
+    assert calls == [(1, 64), (AMX_MAX_ROWS, 64)]
+    x3 = torch.randn(2, 3, 64).bfloat16()  # [batch, seq, hidden]
+    torch.testing.assert_close(model[0](x3).double(), x3.double() @ w.T + b, atol=3e-2, rtol=2e-2)
+
+
+def test_amx_kernel_refuses_bad_input_by_name() -> None:
+    _amx_or_skip()
+    from torchbridge.serve.cpu_kernels import amx_linear
+    from torchbridge.serve.linear import amx_layout
+
+    tiles = amx_layout(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="amx_linear: x has 96 features, the weight tiles 64"):
+        amx_linear(torch.zeros(2, 96, dtype=torch.bfloat16), tiles)
+    with pytest.raises(RuntimeError, match="amx_linear: x must be a contiguous 2-D bfloat16"):
+        amx_linear(torch.zeros(2, 64), tiles)
+    with pytest.raises(RuntimeError, match=r"amx_linear: bias must be contiguous bfloat16 \[64\]"):
+        amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), tiles, torch.zeros(32, dtype=torch.bfloat16))

@@ -4,7 +4,8 @@
 (serve/csrc/paged_attention.cpp): a decode step neither gathers the context nor pads it to the step's
 longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
 small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
-so the model calls either through the same lines. They are compiled for this CPU (-march=native; the
+so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
+linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). They are compiled for this CPU (-march=native; the
 CPU's flags are part of the build's key), on first use (~20 s on 2 cores). Where no C++ compiler works,
 `available()` says why and the engine runs the plain torch ops and decodes through its workspace.
 """
@@ -19,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp")]
 _HEADERS = [_CSRC / "widen.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -82,3 +83,18 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """q [N, H, D] and k [N, KVH, D] rotated in place by cos/sin [N, D] (Llama's rotate-half form); returns them."""
     torch.ops.torchbridge_serve.rotary(q, k, cos.contiguous(), sin.contiguous())
     return q, k
+
+
+def amx_available() -> bool:
+    """Whether `amx_linear` runs here: the kernels are loaded, this CPU has AMX-BF16 and Linux granted it."""
+    return available() is None and bool(torch.ops.torchbridge_serve.amx_available())
+
+
+def amx_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) in bf16 with fp32 accumulation; `w_tiles` is W [N, K] laid out by
+    serve/linear.py `amx_layout`. Returns [..., N]."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], w_tiles.shape[0] * 32, dtype=x.dtype, device=x.device)
+    torch.ops.torchbridge_serve.amx_linear(out, x2, w_tiles, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+

@@ -10,6 +10,12 @@ run, 1.2-1.4x in an earlier one), slower at one row (0.8-0.95x), where MKL's mat
 fp32 keeps the plain weight for one-row calls (its linears take twice the memory). In bf16/fp16 the plain
 weight is released (left on the meta device, for its shape), unless another module shares it (tied
 embeddings).
+
+On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a third form for bf16:
+`pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most `AMX_MAX_ROWS`
+rows (decode steps) run `amx_linear`, 2-5x oneDNN's packed call at 1-32 rows on the bundled and bench
+models' shapes (the "amx" arm of bench/bench_serve_kernels.py); longer calls (prefill) keep oneDNN, so
+such a layer holds its weight twice.
 """
 
 from __future__ import annotations
@@ -23,15 +29,38 @@ class Linear(nn.Linear):
     """nn.Linear whose matmul uses `packed` (set by `pack`) when it has one."""
 
     packed: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None  # the weight as AMX tiles (set by `pack`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
+            from torchbridge.serve.cpu_kernels import amx_linear
+
+            return amx_linear(x, self.tiles, self.bias)
         if self.packed is not None and (x.dtype != torch.float32 or x.numel() > x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+
+# Above this many rows oneDNN's blocked GEMM beats the AMX kernel's one pass per 32 columns (measured at
+# 64-256 rows: 0.6-1.0x for the wide layers).
+AMX_MAX_ROWS = 32
+
+
+def amx_layout(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (N, K multiples of 32) as [N/32, K/32, 2, 16, 32]: for each 32 outputs and 32 inputs, two
+    16 x 32 tiles holding W[n][k] at [k // 2][2 n + k % 2] (AMX's pair-interleaved B operand)."""
+    n, k = w.shape
+    tiles = w.reshape(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return tiles.reshape(n // 32, k // 32, 2, 16, 32).contiguous()
+
+
+def amx_fits(w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
+            and (bias is None or bias.dtype == torch.bfloat16))
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -45,8 +74,9 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def pack(model: nn.Module) -> int:
-    """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs); returns how many."""
+def pack(model: nn.Module, amx: bool = False) -> int:
+    """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs); returns how many.
+    `amx`: also give bf16 layers their AMX tiles (the engine's CPU kernels loaded and `amx_available()`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     n = 0
@@ -55,6 +85,8 @@ def pack(model: nn.Module) -> int:
         if w.device.type != "cpu" or not packing_supported(w.dtype):
             continue
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        if amx and amx_fits(w, m.bias):
+            m.tiles = amx_layout(w.detach())
         if w.dtype != torch.float32 and w.data_ptr() not in shared:
             m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
         n += 1

@@ -117,6 +117,12 @@ def _cpu_kernels_build() -> bool:
     return cpu_kernels.available() is None
 
 
+def _amx() -> bool:
+    from torchbridge.serve import cpu_kernels
+
+    return cpu_kernels.amx_available()
+
+
 class ModelRunner:
     """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers."""
 
@@ -138,16 +144,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.scratch_block = config.num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp)
+        # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
+        # serves decodes).
+        self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
+        amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
+        self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
         self.sliding_window = mc.sliding_window
-        # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
-        # serves decodes).
-        self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
         self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,

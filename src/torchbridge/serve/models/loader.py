@@ -32,7 +32,7 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
-    tp: TPGroup = SINGLE,
+    tp: TPGroup = SINGLE, amx: bool = False,
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     with torch.device("meta"):
@@ -75,5 +75,5 @@ def load_model(
     cos, sin = rope_tables(cfg, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
-    pack(model)  # on the cpu: weights laid out once for oneDNN (serve/linear.py)
+    pack(model, amx)  # on the cpu: weights laid out once for oneDNN, and AMX if asked (serve/linear.py)
     return model.eval()
