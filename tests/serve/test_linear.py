@@ -105,3 +105,17 @@ def test_amx_kernel_refuses_bad_input_by_name() -> None:
         amx_linear(torch.zeros(2, 64), tiles)
     with pytest.raises(RuntimeError, match=r"amx_linear: bias must be contiguous bfloat16 \[64\]"):
         amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), tiles, torch.zeros(32, dtype=torch.bfloat16))
+
+
+def test_amx_is_the_engines_bf16_default_and_can_be_switched_off(llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    _amx_or_skip()
+    from torchbridge.serve import LLM
+
+    def tiled(llm: LLM) -> list[bool]:
+        return [m.tiles is not None for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+
+    kw = dict(dtype="bfloat16", block_size=4, num_blocks=32, max_model_len=64)
+    assert all(tiled(LLM(str(llama_dir), **kw)))
+    assert not any(tiled(LLM(str(llama_dir), **{**kw, "dtype": "float32"})))
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_AMX", "0")
+    assert not any(tiled(LLM(str(llama_dir), **kw)))

@@ -2,15 +2,23 @@
 
 All engine state is touched by that one thread: callers hand it commands through a queue (add, abort)
 and get each step's deltas back on a per-request asyncio.Queue, so no lock is held across a model step.
+
+A step's deltas reach the event loop in one hand-off (one wake-up of the loop per step, not one per
+sequence), and a consumer that fell behind gets the deltas waiting for it merged into one (vLLM's
+output collector does the same): under load the server formats one event per request per pass of the
+event loop instead of one per token, and the engine thread, which shares the interpreter with the
+server, gets the time back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from torchbridge.serve.engine import LLMEngine, SeqUpdate
@@ -63,13 +71,13 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(fut)
             while finished < params.n:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise EngineError(item.error)
-                finished += item.finished
-                yield item
+                for item in _merged([await out.get(), *_waiting(out)]):
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.error is not None:
+                        raise EngineError(item.error)
+                    finished += item.finished
+                    yield item
         finally:
             self._streams.pop(request_id, None)
             if finished < params.n:
@@ -90,8 +98,7 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - not one request's fault: fail those in flight, go on
                     log.exception("engine step failed outside any one request; failing the requests in flight")
                     updates = eng.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-                for u in updates:
-                    self._deliver(u.request_id, u)
+                self._deliver_step(updates)
         except BaseException as e:  # noqa: BLE001 - e.g. KeyboardInterrupt: surface to every waiting client, then stop
             log.exception("engine loop died")
             self.error = e
@@ -114,8 +121,46 @@ class AsyncEngine:
             elif cmd == "abort":
                 self.engine.abort_request(*args)
 
+    def _deliver_step(self, updates: list[SeqUpdate]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SeqUpdate]]] = defaultdict(list)
+        for u in updates:
+            stream = self._streams.get(u.request_id)
+            if stream is not None:
+                by_loop[stream[0]].append((stream[1], u))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request_id: str, item: object) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, SeqUpdate]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _waiting(q: asyncio.Queue) -> list[object]:
+    items = []
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+def _merged(items: list[object]) -> list[object]:
+    """Consecutive deltas of the same choice as one (text, token ids and logprobs joined; the later one's
+    state). An error, an exception or a finished delta closes the run."""
+    out: list[object] = []
+    for item in items:
+        last = out[-1] if out else None
+        if (isinstance(item, SeqUpdate) and isinstance(last, SeqUpdate) and last.index == item.index
+                and not last.finished and last.error is None and item.error is None):
+            out[-1] = dataclasses.replace(
+                item, new_token_ids=last.new_token_ids + item.new_token_ids, new_text=last.new_text + item.new_text,
+                new_logprobs=last.new_logprobs + item.new_logprobs)
+        else:
+            out.append(item)
+    return out
+

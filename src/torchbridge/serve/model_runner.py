@@ -15,6 +15,7 @@ rank 0's logits are sampled.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +119,11 @@ def _cpu_kernels_build() -> bool:
 
 
 def _amx() -> bool:
+    """bf16 decode-row linears on AMX (serve/linear.py) where the CPU has it; TORCHBRIDGE_SERVE_AMX=0 keeps
+    them on oneDNN (for A/B measurements)."""
     from torchbridge.serve import cpu_kernels
 
-    return cpu_kernels.amx_available()
+    return os.environ.get("TORCHBRIDGE_SERVE_AMX", "1") != "0" and cpu_kernels.amx_available()
 
 
 class ModelRunner:
