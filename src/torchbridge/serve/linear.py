@@ -12,10 +12,11 @@ weight is released (left on the meta device, for its shape), unless another modu
 embeddings).
 
 On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a third form for bf16:
-`pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most `AMX_MAX_ROWS`
-rows (decode steps) run `amx_linear`, 2-5x oneDNN's packed call at 1-32 rows on the bundled and bench
-models' shapes (the "amx" arm of bench/bench_serve_kernels.py); longer calls (prefill) keep oneDNN, so
-such a layer holds its weight twice.
+`pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most
+`AMX_MAX_ROWS` rows (decode steps) run `amx_linear`: 1.2-1.6x oneDNN's packed call at 1-32 rows over the
+bench and bundled models' five layer shapes summed, 2-5x for single shapes with the weight in cache (the
+"AMX linears" part of bench/bench_serve_kernels.py). Longer calls (prefill) keep oneDNN, so such a layer
+holds its weight twice.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchbridge.serve import cpu_kernels
 
 
 class Linear(nn.Linear):
@@ -36,17 +39,15 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
-            from torchbridge.serve.cpu_kernels import amx_linear
-
-            return amx_linear(x, self.tiles, self.bias)
+            return cpu_kernels.amx_linear(x, self.tiles, self.bias)
         if self.packed is not None and (x.dtype != torch.float32 or x.numel() > x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
-# Above this many rows oneDNN's blocked GEMM beats the AMX kernel's one pass per 32 columns (measured at
-# 64-256 rows: 0.6-1.0x for the wide layers).
+# Above this many rows oneDNN's blocked GEMM catches up with the AMX kernel's one pass per 32 columns
+# (alternated microbench: 1.2-4.7x at 1-32 rows, 0.9-1.2x at 48-64, 0.56-0.98x at 128-512).
 AMX_MAX_ROWS = 32
 
 
@@ -58,7 +59,7 @@ def amx_layout(w: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(n // 32, k // 32, 2, 16, 32).contiguous()
 
 
-def amx_fits(w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _amx_fits(w: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
             and (bias is None or bias.dtype == torch.bfloat16))
 
@@ -85,7 +86,7 @@ def pack(model: nn.Module, amx: bool = False) -> int:
         if w.device.type != "cpu" or not packing_supported(w.dtype):
             continue
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        if amx and amx_fits(w, m.bias):
+        if amx and _amx_fits(w, m.bias):
             m.tiles = amx_layout(w.detach())
         if w.dtype != torch.float32 and w.data_ptr() not in shared:
             m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
