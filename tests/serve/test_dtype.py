@@ -14,6 +14,23 @@ from torchbridge.serve import LLM, SamplingParams
 TOP = 20
 
 
+def _errors(lp32: torch.Tensor, lp16: torch.Tensor, ours: dict[int, float]) -> tuple[float, float]:
+    """At one position: HF's half-precision error and ours, both against HF's float32 log-probabilities.
+    The engine reports its own top tokens; compare on the float32 top tokens both runs report."""
+    common = [t for t in lp32.topk(TOP).indices.tolist() if t in ours]
+    assert len(common) >= TOP - 3
+    return (max(abs(float(lp16[t] - lp32[t])) for t in common),
+            max(abs(ours[t] - float(lp32[t])) for t in common))
+
+
+def _assert_within_hf_error(hf_err: list[float], our_err: list[float]) -> None:
+    hf_max, ours_max = max(hf_err), max(our_err)
+    hf_mean, ours_mean = sum(hf_err) / len(hf_err), sum(our_err) / len(our_err)
+    assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
+    # Within HF's own error (a factor 2 of slack: accumulation order differs between implementations).
+    assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_within_hf_own_error(llama_dir: Path, dtype: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -34,18 +51,10 @@ def test_half_precision_within_hf_own_error(llama_dir: Path, dtype: str) -> None
         with torch.no_grad():
             lp32 = torch.log_softmax(ref32(torch.tensor([ids])).logits[0, -1].double(), -1)
             lp16 = torch.log_softmax(ref16(torch.tensor([ids])).logits[0, -1].double(), -1)
-        ours = dict(out.outputs[0].logprobs[0]["top"])
-        top = lp32.topk(TOP).indices.tolist()
-        # The engine reports its own top tokens; compare on the float32 top tokens both runs report.
-        common = [t for t in top if t in ours]
-        assert len(common) >= TOP - 3
-        hf_err.append(max(abs(float(lp16[t] - lp32[t])) for t in common))
-        our_err.append(max(abs(ours[t] - float(lp32[t])) for t in common))
-    hf_max, ours_max = max(hf_err), max(our_err)
-    hf_mean, ours_mean = sum(hf_err) / len(hf_err), sum(our_err) / len(our_err)
-    assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
-    # Within HF's own error (a factor 2 of slack: accumulation order differs between implementations).
-    assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)
+        hf, ours = _errors(lp32, lp16, dict(out.outputs[0].logprobs[0]["top"]))
+        hf_err.append(hf)
+        our_err.append(ours)
+    _assert_within_hf_error(hf_err, our_err)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -77,13 +86,8 @@ def test_half_precision_decode_steps_within_hf_own_error(llama_dir: Path, dtype:
             lp16 = torch.log_softmax(ref16(torch.tensor([ids])).logits[0].double(), -1)
         for i, step in enumerate(out.outputs[0].logprobs[1:], start=1):  # positions a decode step computed
             pos = len(p) + i - 1
-            ours = dict(step["top"])
-            common = [t for t in lp32[pos].topk(TOP).indices.tolist() if t in ours]
-            assert len(common) >= TOP - 3
-            hf_err.append(max(abs(float(lp16[pos, t] - lp32[pos, t])) for t in common))
-            our_err.append(max(abs(ours[t] - float(lp32[pos, t])) for t in common))
+            hf, ours = _errors(lp32[pos], lp16[pos], dict(step["top"]))
+            hf_err.append(hf)
+            our_err.append(ours)
     assert len(our_err) == 4 * 7
-    hf_max, ours_max = max(hf_err), max(our_err)
-    hf_mean, ours_mean = sum(hf_err) / len(hf_err), sum(our_err) / len(our_err)
-    assert hf_max > 1e-4, "the half-precision model should differ measurably from float32"
-    assert ours_max <= 2 * hf_max and ours_mean <= 2 * hf_mean, (ours_max, hf_max, ours_mean, hf_mean)
+    _assert_within_hf_error(hf_err, our_err)

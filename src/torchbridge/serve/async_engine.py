@@ -98,12 +98,11 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - not one request's fault: fail those in flight, go on
                     log.exception("engine step failed outside any one request; failing the requests in flight")
                     updates = eng.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-                self._deliver_step(updates)
+                self._deliver([(u.request_id, u) for u in updates])
         except BaseException as e:  # noqa: BLE001 - e.g. KeyboardInterrupt: surface to every waiting client, then stop
             log.exception("engine loop died")
             self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+            self._deliver([(rid, RuntimeError(f"engine failed: {e}")) for rid in list(self._streams)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -121,23 +120,17 @@ class AsyncEngine:
             elif cmd == "abort":
                 self.engine.abort_request(*args)
 
-    def _deliver_step(self, updates: list[SeqUpdate]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SeqUpdate]]] = defaultdict(list)
-        for u in updates:
-            stream = self._streams.get(u.request_id)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Hand (request id, delta or exception) pairs to their streams: one call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = defaultdict(list)
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop[stream[0]].append((stream[1], u))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                by_loop[stream[0]].append((stream[1], item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
 
-    def _deliver(self, request_id: str, item: object) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, SeqUpdate]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 
@@ -163,4 +156,3 @@ def _merged(items: list[object]) -> list[object]:
         else:
             out.append(item)
     return out
-

@@ -5,9 +5,10 @@
 longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
 small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
-linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). They are compiled for this CPU (-march=native; the
-CPU's flags are part of the build's key), on first use (~20 s on 2 cores). Where no C++ compiler works,
-`available()` says why and the engine runs the plain torch ops and decodes through its workspace.
+linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). They are compiled for
+this CPU (-march=native; the CPU's flags are part of the build's key), on first use (~20 s on 2 cores).
+Where no C++ compiler works, `available()` says why and the engine runs the plain torch ops and decodes
+through its workspace.
 """
 
 from __future__ import annotations
@@ -97,4 +98,3 @@ def amx_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(x2.shape[0], w_tiles.shape[0] * 32, dtype=x.dtype, device=x.device)
     torch.ops.torchbridge_serve.amx_linear(out, x2, w_tiles, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
-

@@ -1,7 +1,7 @@
 // bf16 linear layers on Intel AMX for the engine's decode steps: out = x @ W.T (+ bias), fp32 accumulation.
 //
 // At a decode step's few rows a linear layer streams its weight once and does little arithmetic; oneDNN's
-// packed bf16 linear spends 30-50 us per call around that (bench/bench_serve_kernels.py, "amx" arm), and
+// packed bf16 linear spends 30-50 us per call around that (bench/bench_serve_kernels.py, "AMX linears"), and
 // a small model's 17 linears per step are mostly that overhead. This kernel keeps the loop trivial: the
 // weight is laid out once (serve/linear.py `amx_layout`) as [N/32, K/32, 2, 16, 32] bf16 tiles in AMX's
 // pair-interleaved B format, read front to back in one stream; x is read as 16-row A tiles straight from
