@@ -413,7 +413,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
     return lines
 
 
-ARMS = ("ours", "ours-gather", "ours-tpu", "ours-tpu-ops", "hf-batched", "hf-sequential", "vllm")
+ARMS = ("ours", "ours-thread", "ours-gather", "ours-tpu", "ours-tpu-ops", "hf-batched", "hf-sequential", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="every engine's dtype")
     ap.add_argument("--no-online", action="store_true", help="with --arms: skip the servers (TTFT, TPOT, ITL, E2E)")
+    ap.add_argument("--no-offline", action="store_true", help="with --arms: skip LLM.generate (servers only)")
     ap.add_argument("--vocab", type=int, default=BENCH_VOCAB, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

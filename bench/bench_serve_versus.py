@@ -41,7 +41,9 @@ from bench_serve import (
     thread_env,
 )
 
-ONLINE_ARMS = ("ours", "vllm")
+ONLINE_ARMS = ("ours", "ours-thread", "vllm")
+# `serve --no-engine-process`: the engine stepped by a thread of the server's process (online only)
+ONLINE_ONLY = ("ours-thread",)
 
 
 def prepare_model(which: str, tmp: Path) -> tuple[Path, int, str]:
@@ -97,9 +99,9 @@ def versus(args: argparse.Namespace, argv: list[str]) -> int:
         n_out = sum(out_lens)
         print(f"{model_desc}; {args.dtype}; {args.num_requests} requests, concurrency {args.concurrency}, "
               f"{n_out} output tokens; arms {arms}" + (f"; vLLM {version}" if version else ""), flush=True)
-        offline: dict[str, list[dict]] = {a: [] for a in arms}
-        for r in range(args.rounds):
-            for arm in arms if r % 2 == 0 else arms[::-1]:
+        offline: dict[str, list[dict]] = {} if args.no_offline else {a: [] for a in arms if a not in ONLINE_ONLY}
+        for r in range(0 if args.no_offline else args.rounds):
+            for arm in [a for a in (arms if r % 2 == 0 else arms[::-1]) if a not in ONLINE_ONLY]:
                 load = os.getloadavg()[0]
                 if arm == "vllm":
                     assert python is not None
@@ -122,6 +124,7 @@ def versus(args: argparse.Namespace, argv: list[str]) -> int:
                     env, start_timeout = vllm_env(args.threads), 900.0
                 else:
                     cmd = ours_serve_command(model_dir, port, args.concurrency, args.dtype)
+                    cmd += ["--no-engine-process"] if arm == "ours-thread" else []
                     env, start_timeout = thread_env(args.threads), 300.0
                 t, per, startup, iters = run_online(cmd, env, reqs, out_lens, args.concurrency, start_timeout)
                 row = {"tok_s": n_out / t, "startup": startup, "load": load, **iters, **summarize(per)}
@@ -150,12 +153,10 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
         f"Workload (seed {args.seed}): {model_desc}, {args.dtype}; {args.num_requests} requests, prompts "
         f"{args.input_len[0]}-{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens "
         f"({n_out} in all, EOS ignored), concurrency {args.concurrency}; {args.rounds} rounds, arms alternated.",
-        "",
-        "## Offline (LLM.generate), output tokens/s: median (range)",
-        "",
-        "| engine | tok/s | ours / engine (median of the per-round ratios) | loads |",
-        "|---|---:|---:|---|",
     ]
+    if offline:
+        lines += ["", "## Offline (LLM.generate), output tokens/s: median (range)", "",
+                  "| engine | tok/s | ours / engine (median of the per-round ratios) | loads |", "|---|---:|---:|---|"]
     ours = offline.get("ours")
     for arm, rows in offline.items():
         ratio = ""
@@ -165,11 +166,14 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
         lines.append(f"| {arm} | {_median_range([x['tok_s'] for x in rows])} | {ratio} | {loads_s} |")
     if online:
         lines += ["", "## Online (OpenAI server, streaming /v1/completions): median over rounds (range)", "",
-                  "| engine | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms | start-up s "
-                  "| engine steps | tokens/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | tok/s | ours / engine | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms "
+                  "| start-up s | engine steps | tokens/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        ours_on = online.get("ours")
         for arm, rows in online.items():
-            cells = [_median_range([x["tok_s"] for x in rows])]
+            ratio = ("" if not ours_on or arm == "ours" else
+                     _median_range([o["tok_s"] / x["tok_s"] for o, x in zip(ours_on, rows, strict=True)], "{:.2f}"))
+            cells = [_median_range([x["tok_s"] for x in rows]), ratio]
             cells += [_median_range([x[m][q] for x in rows]) for m, q in
                       (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("itl", "median"), ("e2e", "median"))]
             cells.append(_median_range([x["startup"] for x in rows]))
@@ -180,8 +184,9 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
               "max_num_seqs = concurrency, each its own default otherwise (ours: block size 16, 1024-token step "
               "budget; vLLM: its CPU attention backend and block size). vLLM's compute threads are bound to "
               f"{args.threads} core(s) (VLLM_CPU_OMP_THREADS_BIND); its front-end processes (API server, engine "
-              "core's scheduler, detokenizer) run beside them as vLLM deploys them; ours runs one process with "
-              f"{args.threads} torch thread(s). Both detokenize their outputs. Engine steps and tokens/step: each "
+              "core's scheduler, detokenizer) run beside them as vLLM deploys them; ours runs its engine in one process "
+              f"with {args.threads} torch thread(s) and its HTTP server in another (`ours-thread`: `serve "
+              "--no-engine-process`, the engine on a thread of the server's process; offline is one process). Both detokenize their outputs. Engine steps and tokens/step: each "
               "server's vllm:iteration_tokens_total histogram over the timed workload (prompt tokens computed plus "
               "tokens generated per step; vLLM observes it per engine-core output batch).", ""]
     return "\n".join(lines)

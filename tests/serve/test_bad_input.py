@@ -103,9 +103,9 @@ def test_max_tokens_beyond_context_is_400_like_vllm(server: tuple) -> None:
                                                "max_tokens": 2}).status_code == 200
 
 
-def test_long_prompt_refused_before_tokenizing(server: tuple) -> None:
+def test_long_prompt_refused_before_tokenizing(inproc_server: tuple) -> None:
     """A prompt with more characters than max_model_len tokens can hold is refused by its length alone."""
-    base, engine = server
+    base, engine = inproc_server
     calls = []
     tok = engine.engine.tokenizer
     original = tok.encode
@@ -142,9 +142,9 @@ def test_body_over_the_limit_is_413_before_reading(server: tuple) -> None:
     assert_still_serving(base)
 
 
-def test_internal_error_keeps_the_connection_usable(server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_internal_error_keeps_the_connection_usable(inproc_server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 500 is a complete response: the same keep-alive connection serves the next request."""
-    base, engine = server
+    base, engine = inproc_server
 
     def boom(*a: object, **k: object) -> None:
         raise RuntimeError("injected")
@@ -161,11 +161,11 @@ def test_internal_error_keeps_the_connection_usable(server: tuple, monkeypatch: 
         assert r.extensions["network_stream"] is r2.extensions["network_stream"]
 
 
-def test_step_failure_fails_only_its_request(server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_failure_fails_only_its_request(inproc_server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sampler failure on one row fails that request (500), and the request batched with it completes."""
     import threading
 
-    base, engine = server
+    base, engine = inproc_server
     sampler = engine.engine.sampler
     original = sampler.sample
 
@@ -193,9 +193,9 @@ def test_step_failure_fails_only_its_request(server: tuple, monkeypatch: pytest.
     assert not engine.engine.requests and engine.engine.block_manager.usage == 0.0
 
 
-def test_streamed_request_gets_an_error_event_when_its_step_fails(server: tuple,
+def test_streamed_request_gets_an_error_event_when_its_step_fails(inproc_server: tuple,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    base, engine = server
+    base, engine = inproc_server
     runner = engine.engine.runner
     original = runner.run
     calls = {"n": 0}
@@ -219,10 +219,10 @@ def test_streamed_request_gets_an_error_event_when_its_step_fails(server: tuple,
 
 
 def test_failure_outside_any_request_fails_those_in_flight_and_the_loop_goes_on(
-        server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+        inproc_server: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that raises before it reaches any one request (here the scheduler) fails the requests in
     flight; the engine thread survives and serves the next request."""
-    base, engine = server
+    base, engine = inproc_server
     sched = engine.engine.scheduler
     original = sched.schedule
     calls = {"n": 0}

@@ -226,10 +226,23 @@ def test_kv_events_publish_prompt_blocks(client: openai.OpenAI, server: tuple) -
     assert stored[:3] == expected and events["block_size"] == 4
 
 
+def _metric_sums(base: str) -> dict[str, float]:
+    """Each metric's samples summed over their labels, as the server exports them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for f in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in f.samples:
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
+    return sums
+
+
 def test_client_disconnect_aborts_request(server: tuple) -> None:
-    base, engine = server
+    """Read through /metrics, so it holds wherever the engine runs (its own process by default)."""
+    base = server[0]
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    finished_before = engine.engine.stats.finished_requests
+    busy = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    finished_before = _metric_sums(base).get("vllm:request_success_total", 0.0)
     # 500 tokens take far longer than noticing a closed connection, so finishing first is not a race.
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=30) as r:
@@ -237,11 +250,12 @@ def test_client_disconnect_aborts_request(server: tuple) -> None:
             if line.startswith("data: {"):
                 break
     deadline = time.monotonic() + 20
-    while engine.engine.requests and time.monotonic() < deadline:
+    while any(_metric_sums(base)[k] for k in busy) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not engine.engine.requests and engine.engine.block_manager.usage == 0.0
+    after = _metric_sums(base)
+    assert [after[k] for k in busy] == [0, 0, 0]
     # It was aborted, not run to its end.
-    assert engine.engine.stats.finished_requests == finished_before
+    assert after.get("vllm:request_success_total", 0.0) == finished_before
 
 
 def test_logit_bias_matches_hf_sequence_bias(client: openai.OpenAI, llama_dir: Path) -> None:

@@ -81,13 +81,13 @@ ASK = [{"role": "system", "content": "You can call tools."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def base_url():  # noqa: ANN201 - yields the server's base URL
-    from torchbridge.serve.async_engine import AsyncEngine
     from torchbridge.serve.config import EngineConfig
-    from torchbridge.serve.engine import LLMEngine
+    from torchbridge.serve.engine_process import EngineProcess
     from torchbridge.serve.server import create_app
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(BUNDLED), max_model_len=1024, max_num_seqs=32,
-                                                served_model_name=MODEL)))
+    # The engine in its own process, as `serve` runs it: grammars compile there, off its step loop.
+    engine = EngineProcess(EngineConfig(model=str(BUNDLED), max_model_len=1024, max_num_seqs=32,
+                                        served_model_name=MODEL))
     engine.start()
     try:
         with running_server(create_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True)) as url:

@@ -93,6 +93,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _workers(pid: int) -> list[int]:
+    """The tensor-parallel worker processes under `pid` (the server's engine process starts them)."""
+    found, todo = [], [pid]
+    while todo:
+        for kid in _children(todo.pop()):
+            todo.append(kid)
+            try:
+                if b"torchbridge.serve.workers" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    found.append(kid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -249,7 +263,7 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9]]
 def test_openai_server_gives_hf_tokens_and_its_killing_stops_the_workers(llama_dir: Path) -> None:
     proc, url = _start_server(llama_dir, port_offset=6)
     try:
-        workers = _children(proc.pid)
+        workers = _workers(proc.pid)
         assert len(workers) == 1, workers  # rank 1
         out = _client(url).completions.create(model="tp", prompt=PROMPTS, max_tokens=6, temperature=0,
                                               logprobs=0, extra_body={"ignore_eos": True})
@@ -271,7 +285,7 @@ def test_a_dead_worker_fails_requests_with_an_error_and_the_server_stops_cleanly
 
     proc, url = _start_server(llama_dir, port_offset=7, max_model_len=1024)
     try:
-        (worker,) = _children(proc.pid)
+        (worker,) = _workers(proc.pid)
         client = _client(url)
         # a long generation; the worker is killed once its first tokens came back
         stream = client.completions.create(model="tp", prompt=[5, 6, 7], max_tokens=1000, temperature=0,

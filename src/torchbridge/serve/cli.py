@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (the model decides whether to call a tool)")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish /v1/kv_events")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, the HTTP server in this one (vLLM's engine-core "
+                        "split; default); --no-engine-process steps it on a thread of the server's process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
     return p
@@ -65,8 +68,6 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from torchbridge.serve.async_engine import AsyncEngine
-    from torchbridge.serve.engine import LLMEngine
     from torchbridge.serve.server import create_app
 
     logging.basicConfig(level=args.log_level.upper())
@@ -78,12 +79,12 @@ def main(argv: list[str]) -> int:
     except ValueError as e:  # a setting this model or device cannot take: say which, no traceback
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config)
-    if args.warmup if args.warmup is not None else config.shape_buckets:
-        n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
-        logging.getLogger(__name__).info("warmed up %d shape buckets", n)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
+    warmup = bool(args.warmup if args.warmup is not None else config.shape_buckets)
+    try:
+        async_engine = _start_engine(config, warmup, args.engine_process)
+    except RuntimeError as e:  # the engine process could not load the model: say why, no traceback
+        print(f"torchbridge serve: {e}", file=sys.stderr)
+        return 1
     app = create_app(async_engine, args.api_key, args.max_request_bytes, args.tool_call_parser,
                      args.enable_auto_tool_choice)
     # uvicorn exits gracefully on SIGTERM, then raises the signal again, which would end the process before
@@ -94,6 +95,25 @@ def main(argv: list[str]) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _start_engine(config, warmup: bool, own_process: bool):  # noqa: ANN001, ANN202 - EngineConfig -> EngineClient
+    if own_process:
+        from torchbridge.serve.engine_process import EngineProcess
+
+        client = EngineProcess(config, warmup)
+        client.start()
+        return client
+    from torchbridge.serve.async_engine import AsyncEngine
+    from torchbridge.serve.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    if warmup:
+        n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
+        logging.getLogger(__name__).info("warmed up %d shape buckets", n)
+    client = AsyncEngine(engine)
+    client.start()
+    return client
 
 
 def _exit(signum: int, frame: object) -> None:

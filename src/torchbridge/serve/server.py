@@ -39,12 +39,12 @@ from torchbridge.serve.api import chat, completions, errors, status
 from torchbridge.serve.api.context import DEFAULT_MAX_REQUEST_BYTES, ApiContext
 from torchbridge.serve.api.errors import APIError
 from torchbridge.serve.api.responses import LogprobFormatter
-from torchbridge.serve.async_engine import AsyncEngine
+from torchbridge.serve.async_engine import EngineClient
 
 __all__ = ["APIError", "create_app"]
 
 
-def create_app(engine: AsyncEngine, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+def create_app(engine: EngineClient, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     app = FastAPI(title="torchbridge serve")
     ctx = ApiContext(engine, api_key, max_request_bytes, tool_call_parser, enable_auto_tool_choice)

@@ -7,7 +7,6 @@ of it is read), parsed as JSON, checked for strings that cannot be encoded (lone
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import time
@@ -20,9 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from torchbridge.request_body import read_limited
 from torchbridge.serve.api.errors import APIError, validation_message
-from torchbridge.serve.async_engine import AsyncEngine, EngineError
+from torchbridge.serve.async_engine import EngineClient, EngineError
 from torchbridge.serve.engine import InvalidRequest, SeqUpdate
-from torchbridge.serve.metrics import Metrics
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.tool_parser import TOOL_CALL_PARSERS
 
@@ -63,7 +61,7 @@ def _encodable(s: str) -> bool:
 
 
 class ApiContext:
-    def __init__(self, engine: AsyncEngine, api_key: str | None = None,
+    def __init__(self, engine: EngineClient, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False) -> None:
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
@@ -73,10 +71,9 @@ class ApiContext:
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.engine = engine
-        self.eng = engine.engine
-        self.model_name = self.eng.config.served_model_name or "model"
-        self.metrics = Metrics(self.eng, self.model_name)
-        self.tokenizer = self.eng.tokenizer
+        self.config = engine.config
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
 
@@ -125,12 +122,11 @@ class ApiContext:
             raise APIError(400, str(e), param=e.param) from None
 
     async def compile(self, params: SamplingParams) -> None:
-        """Compile the request's grammar on a worker thread (not the event loop, not the engine's)."""
+        """Compile the request's grammar off the event loop and off the engine's step loop."""
         if params.guided is None:
             return
         try:
-            grammars = self.eng.grammars
-            params.guided = await asyncio.to_thread(grammars.compile, params.guided)  # type: ignore[arg-type]
+            await self.engine.compile(params)
         except (InvalidParam, InvalidRequest) as e:
             raise APIError(400, str(e), param=e.param) from None
 
@@ -168,4 +164,4 @@ class ApiContext:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "torchbridge",
-                "root": self.eng.config.model, "max_model_len": self.eng.config.max_model_len}
+                "root": self.config.model, "max_model_len": self.config.max_model_len}

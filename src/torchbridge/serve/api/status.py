@@ -15,12 +15,12 @@ def router(ctx: ApiContext) -> APIRouter:
     @r.get("/health")
     async def health() -> Response:
         if not ctx.engine.healthy:
-            return error_response(503, f"engine is not running: {ctx.engine.error or ctx.eng.failure}", "server_error")
+            return error_response(503, f"engine is not running: {ctx.engine.failure}", "server_error")
         return Response(status_code=200)
 
     @r.get("/metrics")
     async def prometheus() -> Response:
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await ctx.engine.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @r.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -30,8 +30,9 @@ def router(ctx: ApiContext) -> APIRouter:
     @r.get("/v1/kv_events")
     async def kv_events(request: Request, since: int = 0, limit: int = 10000) -> dict:
         ctx.check_auth(request)
-        if ctx.eng.kv_events is None:
+        events = await ctx.engine.kv_events(since, max(1, min(limit, 100000)))
+        if events is None:
             raise APIError(404, "KV events are disabled on this server", code="kv_events_disabled")
-        return {**ctx.eng.kv_events.since(since, max(1, min(limit, 100000))), "block_size": ctx.eng.config.block_size}
+        return {**events, "block_size": ctx.config.block_size}
 
     return r
