@@ -134,8 +134,7 @@ def test_no_engine_process_outlives_its_killed_server(llama_dir: Path) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        # multiprocessing's spawned child (its resource tracker is the other child)
-        engines = [p for p in _children(proc.pid) if b"spawn_main" in _cmdline(p)]
+        engines = [p for p in _children(proc.pid) if b"torchbridge.serve.engine_core" in _cmdline(p)]
         assert len(engines) == 1, [_cmdline(p) for p in _children(proc.pid)]
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()

@@ -66,25 +66,33 @@ def main(argv: list[str]) -> int:
         hint = "" if args.model else " (the bundled default model is not there yet; pass --model DIR)"
         print(f"torchbridge serve: no Hugging Face checkpoint at {model}{hint}", file=sys.stderr)
         return 2
-    import uvicorn
-
-    from torchbridge.serve.server import create_app
-
     logging.basicConfig(level=args.log_level.upper())
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("torchbridge serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
+    launched = None
+    if args.engine_process:
+        from torchbridge.serve.engine_core import launch
+
+        launched = launch(args.device)  # it imports the engine while this process builds the config
     try:
         config = _engine_config(args, model)
     except ValueError as e:  # a setting this model or device cannot take: say which, no traceback
+        if launched is not None:
+            launched[1].close()  # the waiting engine process ends
+            launched[0].wait(timeout=60)
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 2
     warmup = bool(args.warmup if args.warmup is not None else config.shape_buckets)
     try:
-        async_engine = _start_engine(config, warmup, args.engine_process)
+        async_engine = _start_engine(config, warmup, launched)
     except RuntimeError as e:  # the engine process could not load the model: say why, no traceback
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 1
+    import uvicorn
+
+    from torchbridge.serve.server import create_app
+
     app = create_app(async_engine, args.api_key, args.max_request_bytes, args.tool_call_parser,
                      args.enable_auto_tool_choice)
     # uvicorn exits gracefully on SIGTERM, then raises the signal again, which would end the process before
@@ -97,12 +105,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _start_engine(config, warmup: bool, own_process: bool):  # noqa: ANN001, ANN202 - EngineConfig -> EngineClient
-    if own_process:
+def _start_engine(config, warmup: bool, launched):  # noqa: ANN001, ANN202 - EngineConfig -> EngineClient
+    if launched is not None:  # the engine in its own process, started already
         from torchbridge.serve.engine_process import EngineProcess
 
         client = EngineProcess(config, warmup)
-        client.start()
+        client.start(wait=False, launched=launched)
+        try:
+            # the HTTP side's imports (FastAPI, uvicorn) run while the engine process loads the model
+            import torchbridge.serve.server  # noqa: F401
+
+            client.wait_ready()
+        except BaseException:
+            client.shutdown()
+            raise
         return client
     from torchbridge.serve.async_engine import AsyncEngine
     from torchbridge.serve.engine import LLMEngine

@@ -1,0 +1,239 @@
+"""The engine process (vLLM's engine core): the engine's step loop in an interpreter of its own, driven
+by the server's `engine_process.EngineProcess` over one socket pair with multiprocessing's pickled
+messages:
+
+  server -> engine   (config, warmup, log level) once, then
+                     ("add", request id, prompt, params, ...)  ("abort", id)  ("call", n, what, args)  ("stop",)
+  engine -> server   ("ready", None) or ("failed", why) once, then
+                     ("step", [updates])  ("added", id, None | ("invalid", message, param) | ("error", why))
+                     ("reply", n, value)  ("failure", why | None)
+
+`launch()` starts a fresh interpreter (`python -m torchbridge.serve.engine_core FD`): nothing of the
+server's state is forked and no caller's __main__ is re-imported. It imports the engine first and then
+waits for the config, so a server that launches it before building its own side loads both at once on
+two cores; this module imports nothing heavy at its top for the same reason.
+
+A step's updates travel in one message. Each update's `seq` is a `SeqView` (the fields the server reads;
+text and logprobs filled on the finishing update), not the engine's Sequence, whose token list grows.
+Grammars compile on a thread here (off the step loop), so a request waits for its grammar without
+stalling the batch. The process ends when told to, or when the socket closes (the server died).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import multiprocessing.connection
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchbridge.serve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SeqView:
+    """What the server reads of a sequence. `prompt_len` is always set; the rest are the final values on
+    the update that finishes the sequence and empty before it."""
+
+    prompt_len: int
+    num_output_tokens: int = 0
+    text: str = ""
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _view(u: Any) -> Any:  # engine.SeqUpdate
+    s = u.seq
+    view = (SeqView(s.prompt_len, s.num_output_tokens, s.text, s.logprobs, s.finish_reason, s.stop_reason)
+            if u.finished else SeqView(s.prompt_len))
+    return dataclasses.replace(u, seq=view)  # type: ignore[arg-type]
+
+
+Launched = tuple[subprocess.Popen, multiprocessing.connection.Connection]
+
+
+def launch(device: str) -> Launched:
+    """Start an engine process that imports the engine, then waits for its config: a server that starts
+    it first imports its own side meanwhile, on the other core."""
+    # A fresh interpreter on this module's entry point (not multiprocessing's spawn, which would
+    # re-import the caller's __main__), talking over one end of a socket pair.
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    if str(device).split(":")[0] in ("cpu", "cuda"):
+        env["TORCHBRIDGE_NO_DEVICE"] = "1"  # this engine never needs the bridge: skip registering it (~4 s)
+    proc = subprocess.Popen([sys.executable, "-m", "torchbridge.serve.engine_core", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),), env=env)
+    theirs.close()
+    return proc, multiprocessing.connection.Connection(ours.detach())
+
+
+def main(fd: int) -> None:
+    """The engine process: its settings arrive first on the connection `fd`, then the loop runs until
+    the server says stop or goes away."""
+    # Ctrl-C reaches the whole process group: the server decides when the engine stops (it sends "stop").
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = multiprocessing.connection.Connection(fd)
+    # Imported before the config arrives: the server builds it meanwhile.
+    from torchbridge.serve.engine import LLMEngine
+    from torchbridge.serve.metrics import Metrics
+
+    try:
+        config, warmup, log_level = conn.recv()
+    except EOFError:
+        return  # the server gave up before it sent the config
+    logging.basicConfig(level=log_level)
+    try:
+        engine = LLMEngine(config)
+        if warmup:
+            n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
+            log.info("warmed up %d shape buckets", n)
+        metrics = Metrics(engine, config.served_model_name or "model")
+    except Exception as e:  # noqa: BLE001 - reported to the server, which refuses to start
+        log.exception("the engine failed to start")
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    try:
+        EngineCore(engine, metrics, conn).run()
+    finally:
+        engine.shutdown()
+
+
+class EngineCore:
+    """The engine process's loop: take every waiting command, step while there is work, send the step's
+    updates."""
+
+    def __init__(self, engine: Any, metrics: Any, conn: multiprocessing.connection.Connection) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.conn = conn
+        self.compiled: queue.SimpleQueue = queue.SimpleQueue()  # adds whose grammar is ready
+        self.compiling = 0
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.failure: str | None = None
+        self.stopping = False
+
+    def run(self) -> None:
+        from torchbridge.serve.async_engine import step_or_fail_all
+
+        eng = self.engine
+        while not self.stopping:
+            busy = eng.has_unfinished()
+            # Idle: block on the pipe (briefly while grammars compile, so that their requests start soon).
+            timeout = 0.0 if busy else (0.005 if self.compiling else 1.0)
+            try:
+                if self.conn.poll(timeout):
+                    while True:
+                        self.handle(self.conn.recv())
+                        if self.stopping or not self.conn.poll(0):
+                            break
+            except (EOFError, OSError):
+                return  # the server is gone
+            self.take_compiled()
+            self.report_failure()
+            if self.stopping or not eng.has_unfinished():
+                continue
+            updates = step_or_fail_all(eng)
+            if updates:
+                self.send(("step", [_view(u) for u in updates]))
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            params: SamplingParams = msg[3]
+            if params.guided is not None and params.guided.compiled is None:  # type: ignore[attr-defined]
+                self.compile_then_add(msg[1:])
+            else:
+                self.add(msg[1:])
+        elif kind == "abort":
+            self.engine.abort_request(msg[1])
+        elif kind == "call":
+            _, n, what, args = msg
+            try:
+                value = self.answer(what, args)
+            except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
+                value = RuntimeError(f"engine call {what!r} failed: {type(e).__name__}: {e}")
+            self.send(("reply", n, value))
+        elif kind == "stop":
+            self.stopping = True
+
+    def add(self, args: tuple, refused: tuple | None = None) -> None:
+        from torchbridge.serve.engine import InvalidRequest
+        from torchbridge.serve.sampling_params import InvalidParam
+
+        if refused is None:
+            try:
+                self.engine.add_request(*args)
+            except (InvalidRequest, InvalidParam) as e:
+                refused = ("invalid", str(e), e.param)
+            except Exception as e:  # noqa: BLE001 - the request fails (a 500), the engine goes on
+                log.exception("adding request %s failed", args[0])
+                refused = ("error", f"adding the request failed: {type(e).__name__}: {e}")
+        self.send(("added", args[0], refused))
+
+    def compile_then_add(self, args: tuple) -> None:
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchbridge-grammar")
+        params: SamplingParams = args[2]
+        from torchbridge.serve.engine import InvalidRequest
+        from torchbridge.serve.sampling_params import InvalidParam
+
+        def work() -> None:
+            try:
+                params.guided = self.engine.grammars.compile(params.guided)
+                self.compiled.put((args, None))
+            except (InvalidRequest, InvalidParam) as e:
+                self.compiled.put((args, ("invalid", str(e), e.param)))
+            except Exception as e:  # noqa: BLE001 - the request fails (a 500), the engine goes on
+                log.exception("compiling the grammar of request %s failed", args[0])
+                self.compiled.put((args, ("error", f"compiling the constraint failed: {type(e).__name__}: {e}")))
+
+        self.compiling += 1
+        self.pool.submit(work)
+
+    def take_compiled(self) -> None:
+        while True:
+            try:
+                args, refused = self.compiled.get_nowait()
+            except queue.Empty:
+                return
+            self.compiling -= 1
+            self.add(args, refused)
+
+    def answer(self, what: str, args: tuple) -> Any:
+        if what == "metrics":
+            return self.metrics.render()
+        if what == "kv_events":
+            log_ = self.engine.kv_events
+            return None if log_ is None else log_.since(*args)
+        if what == "state":  # for tests and debugging: what the engine holds
+            eng = self.engine
+            return {"requests": len(eng.requests), "kv_cache_usage": eng.block_manager.usage,
+                    "finished_requests": eng.stats.finished_requests, "pid": os.getpid()}
+        raise ValueError(f"unknown engine call {what!r}")
+
+    def report_failure(self) -> None:
+        failure = self.engine.failure
+        if failure != self.failure:
+            self.failure = failure
+            self.send(("failure", failure))
+
+    def send(self, msg: tuple) -> None:
+        self.conn.send(msg)
+
+
+if __name__ == "__main__":
+    # Through the imported module, so that what is pickled names torchbridge.serve.engine_core, not __main__.
+    from torchbridge.serve.engine_core import main as _main
+
+    _main(int(sys.argv[1]))
