@@ -118,7 +118,8 @@ class EngineCore:
         self.metrics = metrics
         self.conn = conn
         self.compiled: queue.SimpleQueue = queue.SimpleQueue()  # adds whose grammar is ready
-        self.compiling = 0
+        self.compiling: set[str] = set()  # request ids whose grammar is compiling
+        self.dropped: set[str] = set()  # ... and were aborted meanwhile (client gone): never added
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.failure: str | None = None
         self.stopping = False
@@ -156,6 +157,8 @@ class EngineCore:
             else:
                 self.add(msg[1:])
         elif kind == "abort":
+            if msg[1] in self.compiling:
+                self.dropped.add(msg[1])
             self.engine.abort_request(msg[1])
         elif kind == "call":
             _, n, what, args = msg
@@ -198,7 +201,7 @@ class EngineCore:
                 log.exception("compiling the grammar of request %s failed", args[0])
                 self.compiled.put((args, ("error", f"compiling the constraint failed: {type(e).__name__}: {e}")))
 
-        self.compiling += 1
+        self.compiling.add(args[0])
         self.pool.submit(work)
 
     def take_compiled(self) -> None:
@@ -207,8 +210,11 @@ class EngineCore:
                 args, refused = self.compiled.get_nowait()
             except queue.Empty:
                 return
-            self.compiling -= 1
-            self.add(args, refused)
+            self.compiling.discard(args[0])
+            if args[0] in self.dropped:
+                self.dropped.discard(args[0])
+            else:
+                self.add(args, refused)
 
     def answer(self, what: str, args: tuple) -> Any:
         if what == "metrics":
@@ -229,7 +235,10 @@ class EngineCore:
             self.send(("failure", failure))
 
     def send(self, msg: tuple) -> None:
-        self.conn.send(msg)
+        try:
+            self.conn.send(msg)
+        except OSError:  # the server is gone: nobody is left to serve
+            self.stopping = True
 
 
 if __name__ == "__main__":

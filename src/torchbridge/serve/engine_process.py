@@ -91,6 +91,15 @@ class EngineProcess(EngineClient):
         if self._reader.is_alive():
             self._reader.join(timeout=5)
 
+    def _exit_code(self) -> int | None:
+        """The engine process's exit code, waiting a moment for it (its socket closes just before it exits)."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
@@ -187,8 +196,7 @@ class EngineProcess(EngineClient):
                 elif kind == "failure":
                     self._engine_failure = msg[1]
         except (EOFError, OSError) as e:
-            code = None if self._proc is None else self._proc.poll()
-            why = f"the engine process exited (exit code {code})" if isinstance(e, EOFError) else str(e)
+            why = f"the engine process exited (exit code {self._exit_code()})" if isinstance(e, EOFError) else str(e)
             if self.error is None:
                 self.error = RuntimeError(why)
         gone = RuntimeError(f"engine failed: {self.error}")
