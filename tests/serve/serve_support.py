@@ -145,3 +145,42 @@ def running_server(app: object) -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(timeout=15)
+
+
+# ---- processes, by PID (servers, engine processes, tensor-parallel workers) -----------------------------
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """Wait up to `seconds` for the processes to end; the ones still running."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]

@@ -18,22 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_support import API_KEY, hf_greedy, running_server
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_gone(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
+from serve_support import API_KEY, alive, children, cmdline, hf_greedy, running_server, wait_gone
 
 
 def _hf_text(llama_dir: Path, ids: list[int], n: int) -> str:
@@ -45,7 +30,7 @@ def _hf_text(llama_dir: Path, ids: list[int], n: int) -> str:
 def test_the_engine_runs_in_another_process(server: tuple, llama_dir: Path) -> None:
     url, engine = server
     state = asyncio.run(engine.engine_state())
-    assert state["pid"] == engine.pid != os.getpid() and _alive(engine.pid)
+    assert state["pid"] == engine.pid != os.getpid() and alive(engine.pid)
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     r = client.completions.create(model="tiny-llama", prompt=[11, 12, 13], max_tokens=7, temperature=0)
     assert r.choices[0].text == _hf_text(llama_dir, [11, 12, 13], 7)
@@ -90,7 +75,7 @@ def test_a_dead_engine_process_fails_streams_and_refuses_new_requests(llama_dir:
             started = time.monotonic()
             with pytest.raises(openai.APIError, match="engine process exited"):
                 for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and _alive(engine.pid):
+                    if chunk.choices and chunk.choices[0].text and alive(engine.pid):
                         os.kill(engine.pid, signal.SIGKILL)
             assert time.monotonic() - started < 30
             health = httpx.get(url + "/health", timeout=10)
@@ -113,7 +98,7 @@ def test_a_model_that_cannot_load_is_refused_at_start(tmp_path: Path, llama_dir:
     engine = EngineProcess(EngineConfig(model=str(broken), block_size=4, num_blocks=16))
     with pytest.raises(RuntimeError, match="the engine failed to start: .*safetensors|the engine failed to start"):
         engine.start()
-    assert engine.pid is not None and _wait_gone(engine.pid, 30)
+    assert engine.pid is not None and wait_gone([engine.pid], 30) == []
 
 
 def test_no_engine_process_outlives_its_killed_server(llama_dir: Path) -> None:
@@ -134,14 +119,14 @@ def test_no_engine_process_outlives_its_killed_server(llama_dir: Path) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        engines = [p for p in _children(proc.pid) if b"torchbridge.serve.engine_core" in _cmdline(p)]
-        assert len(engines) == 1, [_cmdline(p) for p in _children(proc.pid)]
+        engines = [p for p in children(proc.pid) if b"torchbridge.serve.engine_core" in cmdline(p)]
+        assert len(engines) == 1, [cmdline(p) for p in children(proc.pid)]
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert out["choices"][0]["text"] == _hf_text(llama_dir, [5, 6, 7], 4), json.dumps(out)
         os.kill(proc.pid, signal.SIGKILL)  # no shutdown code runs in the server
         proc.wait(timeout=30)
-        assert _wait_gone(engines[0], 30), "the engine process outlived its killed server"
+        assert wait_gone(engines, 30) == [], "the engine process outlived its killed server"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -149,21 +134,3 @@ def test_no_engine_process_outlives_its_killed_server(llama_dir: Path) -> None:
             pass
         proc.wait(timeout=30)
 
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, IndexError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return b""

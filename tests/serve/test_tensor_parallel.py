@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 import tp_job
-from serve_support import hf_greedy, save_model
+from serve_support import alive, children, cmdline, hf_greedy, save_model, wait_gone
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from launch import PORTS  # noqa: E402 - the port ranges shared by every multi-process test
@@ -72,46 +72,15 @@ def tp_run(tmp_path: Path, model_dir: Path, tp: int, device: str, port_offset: i
     return json.loads(out.read_text())
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie waiting for its reaper does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, IndexError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def _workers(pid: int) -> list[int]:
     """The tensor-parallel worker processes under `pid` (the server's engine process starts them)."""
     found, todo = [], [pid]
     while todo:
-        for kid in _children(todo.pop()):
+        for kid in children(todo.pop()):
             todo.append(kid)
-            try:
-                if b"torchbridge.serve.workers" in Path(f"/proc/{kid}/cmdline").read_bytes():
-                    found.append(kid)
-            except (FileNotFoundError, ProcessLookupError):
-                pass
+            if b"torchbridge.serve.workers" in cmdline(kid):
+                found.append(kid)
     return found
-
-
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 # ---- offline API: tokens against N=1 and Hugging Face --------------------------------------------
@@ -144,7 +113,7 @@ def _check(got: dict, hf: list, single: dict, tp: int, kv_heads: int = 2) -> Non
     assert got["mixed_steps"] > 0  # some step ran prefill chunks next to decodes
     # really sharded: this rank caches and projects only its share of the heads, next to tp - 1 workers
     assert got["local_kv_heads"] == kv_heads // tp and got["local_qkv_rows"] * tp == single["local_qkv_rows"]
-    assert len(got["worker_pids"]) == tp - 1 and not any(_alive(p) for p in got["worker_pids"])
+    assert len(got["worker_pids"]) == tp - 1 and not any(alive(p) for p in got["worker_pids"])
 
 
 def test_two_ranks_on_cpu_give_hf_and_single_rank_tokens(tmp_path: Path, odd_vocab_dir: Path,
@@ -197,10 +166,10 @@ def test_sizes_the_model_cannot_be_split_by_are_refused(llama_dir: Path, capsys:
         EngineConfig(model=str(llama_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="--tensor-parallel-size must be at least 1"):
         EngineConfig(model=str(llama_dir), tensor_parallel_size=0)
-    before = set(_children(os.getpid()))
+    before = set(children(os.getpid()))
     assert main(["--model", str(llama_dir), "--tensor-parallel-size", "4"]) == 2
     assert "torchbridge serve: --tensor-parallel-size 4 must divide" in capsys.readouterr().err
-    assert set(_children(os.getpid())) <= before  # no worker was started
+    assert set(children(os.getpid())) <= before  # no worker was started
 
 
 def test_more_ranks_than_chips_are_refused(llama_dir: Path) -> None:
@@ -275,7 +244,7 @@ def test_openai_server_gives_hf_tokens_and_its_killing_stops_the_workers(llama_d
         assert [c.text for c in choices] == hf
         os.kill(proc.pid, signal.SIGKILL)  # no shutdown code runs in the server
         proc.wait(timeout=30)
-        assert _wait_gone(workers, 15) == [], "a tensor-parallel worker outlived its killed server"
+        assert wait_gone(workers, 15) == [], "a tensor-parallel worker outlived its killed server"
     finally:
         _stop(proc)
 
@@ -295,7 +264,7 @@ def test_a_dead_worker_fails_requests_with_an_error_and_the_server_stops_cleanly
         with pytest.raises(openai.APIError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited"):
             for chunk in stream:
                 got += len(chunk.choices[0].text) if chunk.choices else 0
-                if got and _alive(worker):
+                if got and alive(worker):
                     os.kill(worker, signal.SIGKILL)
         assert time.monotonic() - started < 60
         # later requests: an OpenAI-style 500 at once, and /health says why
@@ -306,7 +275,7 @@ def test_a_dead_worker_fails_requests_with_an_error_and_the_server_stops_cleanly
         assert health.status_code == 503 and "tensor-parallel worker rank 1" in health.text
         proc.send_signal(signal.SIGTERM)  # uvicorn's orderly exit: the engine shuts down
         assert proc.wait(timeout=60) == 0
-        assert _wait_gone([worker], 5) == []
+        assert wait_gone([worker], 5) == []
     finally:
         _stop(proc)
 
@@ -344,5 +313,5 @@ json.dump(res, open({str(out)!r}, "w"))
     assert out.exists(), log[-4000:]
     assert proc.returncode == 0, log[-4000:]  # and then it exited by itself (JAX's exit hook did not wait)
     res = json.loads(out.read_text())
-    assert res["seconds"] < 60 and not _alive(res["pid"]), res
+    assert res["seconds"] < 60 and not alive(res["pid"]), res
     assert res["error"] == "error", (res, log[-3000:])  # the request failed (finish_reason "error")
