@@ -31,9 +31,22 @@ def test_the_engine_runs_in_another_process(server: tuple, llama_dir: Path) -> N
     url, engine = server
     state = asyncio.run(engine.engine_state())
     assert state["pid"] == engine.pid != os.getpid() and alive(engine.pid)
+    # the HTTP side keeps a core: one torch thread fewer than the cores, unless the user chose
+    expected = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) - 1)))
+    assert state["torch_threads"] == expected
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     r = client.completions.create(model="tiny-llama", prompt=[11, 12, 13], max_tokens=7, temperature=0)
     assert r.choices[0].text == _hf_text(llama_dir, [11, 12, 13], 7)
+
+
+def test_the_engine_env_leaves_the_server_a_core_and_keeps_the_users_choice() -> None:
+    from torchbridge.serve.engine_core import engine_env
+
+    cores = len(os.sched_getaffinity(0))
+    env = engine_env("cpu", {"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == str(max(1, cores - 1)) and env["TORCHBRIDGE_NO_DEVICE"] == "1"
+    assert engine_env("cpu", {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    assert "TORCHBRIDGE_NO_DEVICE" not in engine_env("tpu:0", {})  # the engine needs the bridge there
 
 
 def test_the_thread_mode_gives_the_same_answers(llama_dir: Path) -> None:

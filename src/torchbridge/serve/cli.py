@@ -78,9 +78,10 @@ def main(argv: list[str]) -> int:
     try:
         config = _engine_config(args, model)
     except ValueError as e:  # a setting this model or device cannot take: say which, no traceback
-        if launched is not None:
-            launched[1].close()  # the waiting engine process ends
+        if launched is not None:  # the engine process is still importing: nothing of it to keep
+            launched[0].kill()
             launched[0].wait(timeout=60)
+            launched[1].close()
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 2
     warmup = bool(args.warmup if args.warmup is not None else config.shape_buckets)
