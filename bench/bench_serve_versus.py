@@ -80,6 +80,11 @@ def _median_range(xs: list[float], fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
+def _ratio_range(ours: list[dict], rows: list[dict]) -> str:
+    """Ours / the arm's tok/s, round by round: the median and range of those ratios."""
+    return _median_range([o["tok_s"] / x["tok_s"] for o, x in zip(ours, rows, strict=True)], "{:.2f}")
+
+
 def versus(args: argparse.Namespace, argv: list[str]) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -161,7 +166,7 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
     for arm, rows in offline.items():
         ratio = ""
         if ours and arm != "ours":
-            ratio = _median_range([o["tok_s"] / x["tok_s"] for o, x in zip(ours, rows, strict=True)], "{:.2f}")
+            ratio = _ratio_range(ours, rows)
         loads_s = ", ".join(f"{x['load']:.1f}" for x in rows)
         lines.append(f"| {arm} | {_median_range([x['tok_s'] for x in rows])} | {ratio} | {loads_s} |")
     if online:
@@ -171,8 +176,7 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         ours_on = online.get("ours")
         for arm, rows in online.items():
-            ratio = ("" if not ours_on or arm == "ours" else
-                     _median_range([o["tok_s"] / x["tok_s"] for o, x in zip(ours_on, rows, strict=True)], "{:.2f}"))
+            ratio = "" if not ours_on or arm == "ours" else _ratio_range(ours_on, rows)
             cells = [_median_range([x["tok_s"] for x in rows]), ratio]
             cells += [_median_range([x[m][q] for x in rows]) for m, q in
                       (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("itl", "median"), ("e2e", "median"))]

@@ -54,7 +54,7 @@ class EngineClient:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or "model"
+        return self.config.api_model_name
 
     # ---- what subclasses provide ---------------------------------------------------------------
     def _send(self, cmd: str, args: tuple, fut: concurrent.futures.Future | None) -> None:
@@ -170,8 +170,7 @@ class AsyncEngine(EngineClient):
         return self.metrics.render()
 
     async def kv_events(self, since: int, limit: int) -> dict | None:
-        log_ = self.engine.kv_events
-        return None if log_ is None else log_.since(since, limit)
+        return self.engine.kv_events_since(since, limit)
 
     def _send(self, cmd: str, args: tuple, fut: concurrent.futures.Future | None) -> None:
         self._commands.put((cmd, args, fut))

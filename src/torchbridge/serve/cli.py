@@ -126,8 +126,7 @@ def _start_engine(config, warmup: bool, launched):  # noqa: ANN001, ANN202 - Eng
 
     engine = LLMEngine(config)
     if warmup:
-        n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
-        logging.getLogger(__name__).info("warmed up %d shape buckets", n)
+        engine.warmup()
     client = AsyncEngine(engine)
     client.start()
     return client

@@ -226,6 +226,11 @@ class EngineConfig:
             self.served_model_name = Path(self.model).resolve().name
 
     @property
+    def api_model_name(self) -> str:
+        """The name the OpenAI API and the metrics give the model."""
+        return self.served_model_name or "model"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -24,7 +23,7 @@ from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.scheduler import Batch, Scheduler
 from torchbridge.serve.sequence import Sequence, Status
 from torchbridge.serve.spec_decode import SpecStats, eligible, make_proposer, rejection_sample
-from torchbridge.serve.tokenizer import Tokenizer
+from torchbridge.serve.tokenizer import tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
         self.config = config
         mc = config.model_config
-        self.tokenizer = Tokenizer(config.model) if load_tokenizer and _has_tokenizer(config.model) else None
+        self.tokenizer = tokenizer_of(config.model) if load_tokenizer else None
         eos = list(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -435,6 +434,16 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.observe_finished(req)
 
+    def warmup(self) -> int:
+        """Run every shape bucket the configured limits allow once (see ModelRunner.warmup); the count."""
+        n = self.runner.warmup(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        log.info("warmed up %d shape buckets", n)
+        return n
+
+    def kv_events_since(self, since: int, limit: int) -> dict | None:
+        """KV-cache events from id `since` (KVEventLog.since), or None when they are off."""
+        return None if self.kv_events is None else self.kv_events.since(since, limit)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (nothing to stop otherwise); no step after this."""
         self.runner.shutdown()
@@ -453,8 +462,3 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-
-def _has_tokenizer(model_dir: str) -> bool:
-    d = Path(model_dir)
-    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()

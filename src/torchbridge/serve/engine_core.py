@@ -105,9 +105,8 @@ def main(fd: int) -> None:
     try:
         engine = LLMEngine(config)
         if warmup:
-            n = engine.runner.warmup(config.max_num_seqs, config.max_num_batched_tokens)
-            log.info("warmed up %d shape buckets", n)
-        metrics = Metrics(engine, config.served_model_name or "model")
+            engine.warmup()
+        metrics = Metrics(engine, config.api_model_name)
     except Exception as e:  # noqa: BLE001 - reported to the server, which refuses to start
         log.exception("the engine failed to start")
         conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -181,35 +180,20 @@ class EngineCore:
             self.stopping = True
 
     def add(self, args: tuple, refused: tuple | None = None) -> None:
-        from torchbridge.serve.engine import InvalidRequest
-        from torchbridge.serve.sampling_params import InvalidParam
-
         if refused is None:
-            try:
-                self.engine.add_request(*args)
-            except (InvalidRequest, InvalidParam) as e:
-                refused = ("invalid", str(e), e.param)
-            except Exception as e:  # noqa: BLE001 - the request fails (a 500), the engine goes on
-                log.exception("adding request %s failed", args[0])
-                refused = ("error", f"adding the request failed: {type(e).__name__}: {e}")
+            refused = _refusal(lambda: self.engine.add_request(*args), "adding the request", args[0])
         self.send(("added", args[0], refused))
 
     def compile_then_add(self, args: tuple) -> None:
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchbridge-grammar")
         params: SamplingParams = args[2]
-        from torchbridge.serve.engine import InvalidRequest
-        from torchbridge.serve.sampling_params import InvalidParam
+
+        def compile_grammar() -> None:
+            params.guided = self.engine.grammars.compile(params.guided)
 
         def work() -> None:
-            try:
-                params.guided = self.engine.grammars.compile(params.guided)
-                self.compiled.put((args, None))
-            except (InvalidRequest, InvalidParam) as e:
-                self.compiled.put((args, ("invalid", str(e), e.param)))
-            except Exception as e:  # noqa: BLE001 - the request fails (a 500), the engine goes on
-                log.exception("compiling the grammar of request %s failed", args[0])
-                self.compiled.put((args, ("error", f"compiling the constraint failed: {type(e).__name__}: {e}")))
+            self.compiled.put((args, _refusal(compile_grammar, "compiling the constraint", args[0])))
 
         self.compiling.add(args[0])
         self.pool.submit(work)
@@ -230,8 +214,7 @@ class EngineCore:
         if what == "metrics":
             return self.metrics.render()
         if what == "kv_events":
-            log_ = self.engine.kv_events
-            return None if log_ is None else log_.since(*args)
+            return self.engine.kv_events_since(*args)
         if what == "state":  # for tests and debugging: what the engine holds
             eng = self.engine
             import torch
@@ -252,6 +235,22 @@ class EngineCore:
             self.conn.send(msg)
         except OSError:  # the server is gone: nobody is left to serve
             self.stopping = True
+
+
+def _refusal(work: Any, doing: str, request_id: str) -> tuple | None:
+    """Run `work()`; None when it went through, else why the request is refused: ("invalid", message,
+    param) for a bad request (a 400), ("error", why) for anything else (a 500; the engine goes on)."""
+    from torchbridge.serve.engine import InvalidRequest
+    from torchbridge.serve.sampling_params import InvalidParam
+
+    try:
+        work()
+    except (InvalidRequest, InvalidParam) as e:
+        return ("invalid", str(e), e.param)
+    except Exception as e:  # noqa: BLE001
+        log.exception("%s %s failed", doing, request_id)
+        return ("error", f"{doing} failed: {type(e).__name__}: {e}")
+    return None
 
 
 if __name__ == "__main__":

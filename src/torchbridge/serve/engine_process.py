@@ -22,10 +22,10 @@ from typing import Any
 
 from torchbridge.serve.async_engine import EngineClient, EngineError
 from torchbridge.serve.config import EngineConfig
-from torchbridge.serve.engine import InvalidRequest, _has_tokenizer
+from torchbridge.serve.engine import InvalidRequest
 from torchbridge.serve.engine_core import Launched, launch
 from torchbridge.serve.sampling_params import SamplingParams
-from torchbridge.serve.tokenizer import Tokenizer
+from torchbridge.serve.tokenizer import tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class EngineProcess(EngineClient):
         self.config = config
         self.warmup = warmup
         # The server's own tokenizer: chat templates and logprob token strings are rendered here.
-        self.tokenizer = Tokenizer(config.model) if _has_tokenizer(config.model) else None
+        self.tokenizer = tokenizer_of(config.model)
         self._conn: multiprocessing.connection.Connection | None = None
         self._proc: subprocess.Popen | None = None
         self._send_lock = threading.Lock()

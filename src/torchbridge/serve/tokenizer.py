@@ -9,6 +9,14 @@ from transformers import AutoTokenizer
 from torchbridge.serve.detokenizer import Detokenizer
 
 
+def tokenizer_of(model_dir: str | Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None for a checkpoint without one (the engine then works in ids)."""
+    d = Path(model_dir)
+    if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+        return Tokenizer(d)
+    return None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
