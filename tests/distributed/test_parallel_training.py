@@ -25,14 +25,15 @@ MODES = {  # mode: ranks
 SLOW = os.environ.get("TB_SLOW") == "1"
 
 
-def _run(tmp_path, mode: str, device: str, compiled: bool = False, checkpoint: tuple[str, str] | None = None,
-         name: str = "") -> list[dict]:
+def _run(tmp_path, mode: str, devices: str, compiled: bool = False, checkpoint: tuple[str, str] | None = None,
+         name: str = "") -> dict[str, list[dict]]:
+    """One torchrun job training on each of `devices` ("cpu", "tpu" or "cpu,tpu"): {device: per-rank results}."""
     nproc = MODES[mode]
-    out = tmp_path / (name or device)
-    port = PORTS["training"] + (1 if device == "cpu" else 0) + (2 if compiled else 0) + (4 if name else 0)
+    out = tmp_path / (name or devices)
+    port = PORTS["training"] + (1 if devices == "cpu" else 0) + (2 if compiled else 0) + (4 if name else 0)
     extra = list(checkpoint) if checkpoint else []
-    torchrun("training.py", nproc, port, out, [mode, device, "1" if compiled else "0", *extra], timeout=500)
-    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+    torchrun("training.py", nproc, port, out, [mode, devices, "1" if compiled else "0", *extra], timeout=500)
+    return {d: [torch.load(out / d / f"rank{r}.pt") for r in range(nproc)] for d in devices.split(",")}
 
 
 def _compare(ref: list[dict], got: list[dict], mixed: bool) -> None:
@@ -53,15 +54,16 @@ def test_parallel_training_matches_cpu_gloo(tmp_path, mode):
     if mode in ("fsdp", "fsdp_tp") and not SLOW:
         pytest.skip("CI's time budget: fsdp_mp covers FSDP2 (and its checkpoint) in the default run; plain "
                     "FSDP2 and the 4-rank FSDP2 x TP job run with TB_SLOW=1 (make test-all)")
-    ref = _run(tmp_path, mode, "cpu")
     # FSDP2 jobs also write a torch.distributed.checkpoint (sharded state; FSDP2 + TP on the 2-d mesh) after step 3
     checkpointed = mode in ("fsdp_mp", "fsdp_tp")
     ckpt = str(tmp_path / "ckpt")
-    got = _run(tmp_path, mode, "tpu", checkpoint=(ckpt, "save") if checkpointed else None)
+    # the CPU reference over gloo first, then the device, in one job (each process starts once)
+    runs = _run(tmp_path, mode, "cpu,tpu", checkpoint=(ckpt, "save") if checkpointed else None)
+    ref, got = runs["cpu"], runs["tpu"]
     assert got[0]["losses"][-1] != got[0]["losses"][0]  # it trained
     _compare(ref, got, mixed=mode == "fsdp_mp")
     if checkpointed:  # a new job loads it: steps 4 and 5 as if it had never stopped
-        resumed = _run(tmp_path, mode, "tpu", checkpoint=(ckpt, "resume"), name="resumed")
+        resumed = _run(tmp_path, mode, "tpu", checkpoint=(ckpt, "resume"), name="resumed")["tpu"]
         for r, (a, b) in enumerate(zip(got, resumed, strict=True)):
             assert b["losses"] == pytest.approx(a["losses"][3:], rel=1e-6, abs=0), f"rank {r}"
             for name, p in a["params"].items():
@@ -77,8 +79,8 @@ def test_compiled_parallel_training_matches_cpu_inductor(tmp_path, mode):
     if not SLOW:
         pytest.skip("CI's time budget: compiled training jobs run with TB_SLOW=1 (make test-all); collectives inside "
                     "compiled programs stay in CI through tests/serve/test_tensor_parallel.py's compiled engine")
-    ref = _run(tmp_path, mode, "cpu", compiled=True)
-    got = _run(tmp_path, mode, "tpu", compiled=True)
+    ref = _run(tmp_path, mode, "cpu", compiled=True)["cpu"]  # separate jobs: Dynamo's counters are per process
+    got = _run(tmp_path, mode, "tpu", compiled=True)["tpu"]
     _compare(ref, got, mixed=False)
     info = got[0]["info"]
     if mode != "ddp":  # DDP's all-reduces run in its reducer's hooks, outside any graph, as on CUDA

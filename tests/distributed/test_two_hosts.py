@@ -67,13 +67,13 @@ def _two_node_job(tmp_path, hosts, mode: str, port: int) -> list[dict]:
             p.kill()
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-4000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out / "tpu" / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_hosts_train_like_one_host_on_cpu(tmp_path, hosts, mode):
     ref_out = tmp_path / "cpu"
     torchrun("training.py", 2, PORTS["two_hosts"], ref_out, [mode, "cpu", "0"], timeout=400)
-    ref = [torch.load(ref_out / f"rank{r}.pt") for r in range(2)]
+    ref = [torch.load(ref_out / "cpu" / f"rank{r}.pt") for r in range(2)]
     got = _two_node_job(tmp_path, hosts, mode, PORTS["two_hosts"] + 1)
     _compare(ref, got, mixed=False)

@@ -227,6 +227,34 @@ def test_a_new_static_value_compiles_once_then_is_cached_and_traced_scalars_neve
     assert acc.cpu().eq(10.0).all()
 
 
+TRACES: list[tuple] = []
+
+
+@torchbridge.kernel("kapi::tile_rows", static_argnames=("times",))
+def tile_rows(x: jax.Array, shift: float, times: int) -> jax.Array:
+    """Rows repeated `times` (a static value that sets the output's shape) plus `shift` (traced)."""
+    TRACES.append((x.shape, times))
+    return jnp.tile(x, (times, 1)) + shift
+
+
+def test_output_shapes_are_traced_once_per_argument_signature():
+    """Dynamo and AOTAutograd ask an op's fake kernel for shapes several times per graph; the kernel
+    is traced again only for new shapes, dtypes or static values, never for a traced scalar's value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(3, 4, device=DEV))
+        y = mode.from_tensor(torch.randn(5, 4, device=DEV))
+        TRACES.clear()
+        shapes = [tuple(tile_rows(a, s, times=t).shape) for a, s, t in
+                  [(x, 1.0, 2), (x, 7.0, 2), (x, 1.0, 2), (x, 1.0, 3), (y, 1.0, 2), (x, 2.0, 3),
+                   (x.to(torch.bfloat16), 1.0, 2)]]
+    assert shapes == [(6, 4), (6, 4), (6, 4), (9, 4), (10, 4), (9, 4), (6, 4)]
+    assert TRACES == [((3, 4), 2), ((3, 4), 3), ((5, 4), 2), ((3, 4), 2)]
+    out = tile_rows(torch.ones(2, 3, device=DEV), 0.5, times=2)  # and the real kernel agrees
+    torch.testing.assert_close(out.cpu(), torch.full((4, 3), 1.5))
+
+
 def test_wrong_shaped_input_names_the_kernel_and_the_arguments():
     with pytest.raises(KernelError, match=r"kapi::rmsnorm.*x: float32\[4, 16\], w: float32\[8\]"):
         rmsnorm(torch.randn(4, 16, device=DEV), torch.randn(8, device=DEV))

@@ -46,3 +46,27 @@ def test_the_export_check_catches_a_kernel_mosaic_rejects():
 
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         _tpu_module(bad, [jax.ShapeDtypeStruct((6, 200), BF16)])
+
+
+def test_auto_traces_only_the_branch_of_the_platform_it_is_traced_for():
+    """The bridge's lowerings trace kernels for the runtime's platform (tiling.tracing_for): "auto" then
+    traces one branch (the Pallas one on TPU only). Outside that (a jax.export for other platforms),
+    the choice is left to lowering and both branches are traced."""
+    from torchbridge.kernels import tiling
+
+    x, w = jnp.ones((16, 128), BF16), jnp.ones((128,), BF16)
+
+    def traced(platform):
+        def fn(a, b):  # what the shipped rms_norm kernel's JAX function does; a new one each time, since
+            # JAX caches a function's trace and the platform is not part of its key (fixed per process)
+            return tiling.choose("auto", rms_norm.rms_norm_pallas, rms_norm.rms_norm_reference, a, b, eps=1e-6)
+
+        with tiling.tracing_for(platform):
+            return str(jax.make_jaxpr(fn)(x, w)), _tpu_module(fn, [x, w]) if platform != "cpu" else ""
+
+    cpu_jaxpr, _ = traced("cpu")
+    assert "pallas_call" not in cpu_jaxpr and "platform_index" not in cpu_jaxpr
+    tpu_jaxpr, tpu_module = traced("tpu")
+    assert "pallas_call" in tpu_jaxpr and "platform_index" not in tpu_jaxpr and "tpu_custom_call" in tpu_module
+    both, exported = traced(None)
+    assert "pallas_call" in both and "platform_index" in both and "tpu_custom_call" in exported

@@ -28,7 +28,7 @@ def _compiles() -> tuple[int, int]:
 @pytest.fixture(scope="module", params=[True, False], ids=["compiled-step", "op-by-op"])
 def device_llm(llama_dir: Path, request: pytest.FixtureRequest) -> LLM:
     before = _compiles()[1]
-    llm = LLM(str(llama_dir), device=DEV, block_size=4, num_blocks=96, max_model_len=64, max_num_seqs=4,
+    llm = LLM(str(llama_dir), device=DEV, block_size=16, num_blocks=24, max_model_len=48, max_num_seqs=4,
               max_num_batched_tokens=32, compile_model=request.param)
     assert llm.engine.config.compile_model is request.param
     assert llm.engine.runner.warmup(4, 32, progress=False) > 0

@@ -23,6 +23,7 @@ from jax._src import config as jax_config
 from torchbridge.device import custom_ops, dtypes
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
+from torchbridge.kernels import tiling
 from torchbridge.kernels.signature import Signature
 
 
@@ -50,6 +51,30 @@ def _abstract(v: Any) -> Any:
     return v
 
 
+_MISSING = object()
+_SHAPE_CACHE_SIZE = 1024
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _shape_key(abstract: dict[str, Any], traced_scalars: tuple[str, ...]) -> Any:
+    """What the fake kernel's result depends on: arrays' shapes and dtypes, static scalars' values, only
+    the types of traced scalars. None when something in it is not hashable (a symbolic size)."""
+    key = []
+    for name, value in abstract.items():
+        leaves, spec = pytree.tree_flatten(value)
+        if name in traced_scalars:
+            leaves = [x if isinstance(x, jax.ShapeDtypeStruct) else type(x) for x in leaves]
+        if any(isinstance(x, _SYMBOLIC) or (isinstance(x, jax.ShapeDtypeStruct)
+                                             and any(isinstance(d, _SYMBOLIC) for d in x.shape)) for x in leaves):
+            return None  # a symbolic value compares by guard, not by equality
+        key.append((name, spec, tuple(leaves)))
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
+
+
 class JaxOp:
     """`apply(values)` (values: {parameter: value} as Signature.bind gives them) as the op `qualname`."""
 
@@ -65,11 +90,15 @@ class JaxOp:
         registry.lower(qualname, dynamic=sig.traced_scalars, mutates=sig.mutates)(self.lowering)
         custom_ops.bind(self.op_def._lib, self.op)
         self._cpu_jit = jax.jit(self._cpu_program, static_argnums=(2,))
+        # Output shapes per argument signature: Dynamo and AOTAutograd ask the fake kernel several times
+        # per op and graph, and eval_shape retraces the whole kernel (both platform branches) each time.
+        self._shapes: dict[Any, Any] = {}
 
     # -- the JAX side -----------------------------------------------------------------------------
-    def run(self, values: dict[str, Any], interpret: Any) -> Any:
-        """The op's results in its return form, plus {name: new value} for a mutating op."""
-        with interpret_mode(interpret):
+    def run(self, values: dict[str, Any], interpret: Any, platform: str | None) -> Any:
+        """The op's results in its return form, plus {name: new value} for a mutating op, traced for
+        `platform` (tiling.tracing_for)."""
+        with interpret_mode(interpret), tiling.tracing_for(platform):
             res = self._apply(values)
         outs, new = self.sig.split_result(res)
         outs = self.sig.flatten_result(outs)
@@ -78,7 +107,7 @@ class JaxOp:
     def lowering(self, *args: Any, **kwargs: Any) -> Any:
         """The registry's lowering: eager dispatch and compiled graphs call this inside their trace."""
         interpret = self._interpret if self._interpret is not None else STATE.platform == "cpu"
-        return self.run(self.sig.bind(args, kwargs), interpret)
+        return self.run(self.sig.bind(args, kwargs), interpret, STATE.platform)
 
     def _fake(self, *args: Any, **kwargs: Any) -> Any:
         values = self.sig.bind(args, kwargs)
@@ -87,32 +116,45 @@ class JaxOp:
         traced = {k: v for k, v in abstract.items() if k in self.sig.traced_scalars or any(
             p.name == k and p.kind != "scalar" for p in self.sig.params)}
         fixed = {k: v for k, v in abstract.items() if k not in traced}
+        key = _shape_key(abstract, self.sig.traced_scalars)
+        res = self._shapes.get(key, _MISSING) if key is not None else _MISSING
+        if res is _MISSING:
+            res = self._eval_shape(abstract, traced, fixed)
+            if key is not None:
+                if len(self._shapes) >= _SHAPE_CACHE_SIZE:
+                    self._shapes.pop(next(iter(self._shapes)))
+                self._shapes[key] = res
+
+        def empty(s: Any) -> torch.Tensor:
+            return torch.empty(tuple(s.shape), dtype=dtypes.to_torch(s.dtype), device=device)
+
+        if self.sig.mutates:
+            res = res[0]
+        return None if res is None else jax.tree.map(empty, res)
+
+    def _eval_shape(self, abstract: dict[str, Any], traced: dict[str, Any], fixed: dict[str, Any]) -> Any:
         try:
-            res = jax.eval_shape(lambda t: self.run({**fixed, **t}, interpret=True), traced)
+            # Any platform's branch has the same result shapes (platform_dependent requires it).
+            res = jax.eval_shape(lambda t: self.run({**fixed, **t}, interpret=True, platform="cpu"), traced)
         except KernelError:
             raise
         except Exception as e:  # noqa: BLE001 - JAX's error, said again with the kernel and its arguments
             raise KernelError(f"{self.qualname}: the kernel rejected its arguments ({self.sig.describe(abstract)}): "
                               f"{type(e).__name__}: {e}") from e
         if self.sig.mutates:
-            res, new = res
-            for name, val in new.items():
+            for name, val in res[1].items():
                 want = abstract[name]
                 got = jax.tree.leaves(val)
                 wants = jax.tree.leaves(want)
                 if [tuple(g.shape) for g in got] != [tuple(w.shape) for w in wants]:
                     raise KernelError(f"{self.qualname}: the new value of mutated argument '{name}' has shape "
                                       f"{[tuple(g.shape) for g in got]}, the argument {[tuple(w.shape) for w in wants]}")
-
-        def empty(s: Any) -> torch.Tensor:
-            return torch.empty(tuple(s.shape), dtype=dtypes.to_torch(s.dtype), device=device)
-
-        return None if res is None else jax.tree.map(empty, res)
+        return res
 
     # -- the CPU kernel ---------------------------------------------------------------------------
     def _cpu_program(self, arrays: dict[str, Any], traced: dict[str, Any], fixed: tuple) -> Any:
         return self.run({**arrays, **traced, **{k: list(v) if isinstance(v, tuple) else v for k, v in fixed}},
-                        interpret=True)
+                        interpret=True, platform="cpu")
 
     def _cpu_kernel(self, *args: Any, **kwargs: Any) -> Any:
         values = self.sig.bind(args, kwargs)
