@@ -34,7 +34,7 @@ def train(device: str) -> dict:
 
     torch.manual_seed(0)  # the CPU generator: identical initial weights in both runs
     model = TinyLlama().to(dev)
-    dp_rank, dp_size = RANK, WORLD
+    dp_rank = RANK
     if MODE == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -53,7 +53,7 @@ def train(device: str) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_tp(model, init_device_mesh(dev.type, (WORLD,)))
-        dp_rank, dp_size = 0, 1
+        dp_rank = 0
     elif MODE == "fsdp_tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -63,7 +63,7 @@ def train(device: str) -> dict:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        dp_rank, dp_size = mesh["dp"].get_local_rank(), WORLD // 2
+        dp_rank = mesh["dp"].get_local_rank()
     else:
         raise SystemExit(f"unknown mode {MODE}")
 
