@@ -1,0 +1,131 @@
+"""Start-up of `serve` to a healthy /health: on the bridge's device with a warm and a cold XLA cache,
+on the CPU, and (with --arms vllm) `vllm serve` of vLLM's CPU build on the same model, arms alternated.
+
+What a user waits for after typing the command: the process starts, loads the model, warms up (on the
+bridge's device: every shape bucket's step compiled, the engine's default there) and answers /health.
+Each start is then checked with one completion (the server really serves) and stopped.
+
+- tpu-warm: the persistent XLA cache (TORCHBRIDGE_COMPILE_CACHE_DIR) holds every program from an
+  untimed first start: a restart of the same server;
+- tpu-cold: a new, empty cache directory for every start: the first start on a machine;
+- cpu: the default device (no shape buckets, nothing to compile);
+- vllm: `vllm serve` (peer_vllm.py's environment), for scale.
+
+    python bench/bench_startup.py --rounds 3 [--model bundled|bench] [--arms tpu-warm,tpu-cold,cpu,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import free_port, make_model  # noqa: E402
+
+ARMS = ("tpu-warm", "tpu-cold", "cpu", "vllm")
+
+
+def _command(arm: str, model_dir: Path, port: int, max_num_seqs: int, max_model_len: int) -> list[str]:
+    if arm == "vllm":
+        import peer_vllm
+
+        return peer_vllm.serve_command(peer_vllm.ensure_vllm(), model_dir, port, max_num_seqs, "float32", max_model_len)
+    device = "cpu" if arm == "cpu" else "tpu"
+    return [sys.executable, "-m", "torchbridge", "serve", "--model", str(model_dir), "--port", str(port),
+            "--device", device, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+            "--served-model-name", "bench", "--log-level", "warning"]
+
+
+def start_once(cmd: list[str], env: dict[str, str], timeout: float) -> float:
+    """Seconds from launch to a 200 from /health; then one completion must succeed."""
+    port = cmd[cmd.index("--port") + 1]
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
+        try:
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() - t0 > timeout:
+                    log.seek(0)
+                    raise RuntimeError(f"did not start: {' '.join(cmd)}\n{log.read().decode()[-4000:]}")
+                time.sleep(0.1)
+            seconds = time.monotonic() - t0
+            r = httpx.post(base + "/v1/completions", timeout=120,
+                           json={"model": "bench", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
+            r.raise_for_status()
+            return seconds
+        finally:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default="tpu-warm,tpu-cold,cpu")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="bundled", help="bundled, bench (bench_serve.py's model) or a directory")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    arms = args.arms.split(",")
+    if bad := [a for a in arms if a not in ARMS]:
+        p.error(f"unknown arms {bad}; choose from {ARMS}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        if args.model == "bundled":
+            from torchbridge.serve import default_model_dir
+
+            model_dir = Path(default_model_dir())
+        elif args.model == "bench":
+            model_dir = tmp_path / "model"
+            make_model(model_dir)
+        else:
+            model_dir = Path(args.model)
+        warm_cache = tmp_path / "xla-warm"
+        base_env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(warm_cache)}
+
+        def run(arm: str, env: dict[str, str]) -> float:
+            cmd = _command(arm, model_dir, free_port(), args.max_num_seqs, args.max_model_len)
+            if arm == "vllm":  # its compute threads on the cores our engine process gets (all but one)
+                import peer_vllm
+
+                env = peer_vllm.vllm_env(max(1, (os.cpu_count() or 2) - 1))
+            return start_once(cmd, env, args.timeout)
+
+        if "tpu-warm" in arms:
+            print(f"priming the warm cache: {run('tpu-warm', base_env):.1f} s (untimed)", flush=True)
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                env = base_env
+                if arm == "tpu-cold":
+                    env = {**base_env, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(tmp_path / f"xla-cold-{r}")}
+                times[arm].append(run(arm, env))
+                print(f"round {r + 1} {arm}: {times[arm][-1]:.1f} s", flush=True)
+
+    print(f"\nStart-up to healthy, {args.model} model, --max-num-seqs {args.max_num_seqs} --max-model-len "
+          f"{args.max_model_len}, {args.rounds} rounds alternated (`python bench/bench_startup.py "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}`):\n")
+    print("| arm | median s | min s | max s |\n|---|---|---|---|")
+    for arm, ts in times.items():
+        print(f"| {arm} | {statistics.median(ts):.1f} | {min(ts):.1f} | {max(ts):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
