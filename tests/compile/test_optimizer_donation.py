@@ -119,3 +119,25 @@ def test_copied_bytes_reads_hlo_copy_instructions() -> None:
 """
     assert donation.copied_bytes(text) == 4194304 * 4 + 16 * 2
     assert donation.copied_bytes("ROOT %t = (f32[4]{0}) tuple(%a)") == 0
+
+
+def test_the_plain_programs_copies_are_asked_for_only_when_the_donating_one_copies() -> None:
+    """unless_copying compiles the non-donating program (the baseline) only when the donating one copies
+    a quarter of the donated bytes or more; copies the baseline has too do not count against donation."""
+
+    class Compiled:
+        def __init__(self, copies: int) -> None:
+            self.text = f"  %copy.1 = f32[{copies}]{{0}} copy(%donated_0_.1)" if copies else "ROOT %t = () tuple()"
+
+        def as_text(self) -> str:
+            return self.text
+
+    asked: list[int] = []
+
+    def baseline(n: int):  # noqa: ANN202
+        return lambda: asked.append(n) or 4 * n
+
+    few, many = Compiled(100), Compiled(1000)
+    assert donation.unless_copying(few, 4 * 1000, baseline(0)) is few and asked == []
+    assert donation.unless_copying(many, 4 * 1000, baseline(0)) is None and asked == [0]
+    assert donation.unless_copying(many, 4 * 1000, baseline(1000)) is many and asked == [0, 1000]

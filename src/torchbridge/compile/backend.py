@@ -685,7 +685,7 @@ class _Executable:
             jitted = jax.jit(lambda _spares, *args: raw(*args), donate_argnums=(0,), keep_unused=True)
             compiled = jitted.lower(tuple(spares), *call).compile()
             self._recycling[keys] = donation.unless_copying(compiled, sum(b.nbytes for b in spares),
-                                                            self.copied_bytes(call))
+                                                            lambda: self.copied_bytes(call))
         return self._recycling[keys]
 
     def recycling_keys(self, available: tuple) -> tuple:
@@ -714,9 +714,9 @@ class _Executable:
                 compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
             finally:
                 _DONATED.reset(token)
-            self._donating[positions] = donation.unless_copying(compiled, sum(b.nbytes for b in args[0]),
-                                                                self.copied_bytes((donation.merged(positions, *args[:2]),
-                                                                                   *args[2:])))
+            self._donating[positions] = donation.unless_copying(
+                compiled, sum(b.nbytes for b in args[0]),
+                lambda: self.copied_bytes((donation.merged(positions, *args[:2]), *args[2:])))
         return self._donating[positions]
 
 
@@ -838,14 +838,22 @@ def compile_forward(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
 
 
 def _decompositions() -> dict:
-    """Decompose exactly the ops we cannot lower: core ATen's table plus any other known decomposition."""
+    """Decompose exactly the ops we cannot lower: core ATen's table plus any other known decomposition.
+    Built once per state of the two tables (both only grow): 0.2 s per graph, which the engine's shape
+    buckets paid ~70 times at start-up."""
     from torch._decomp import decomposition_table
 
-    table = {}
-    for op, fn in {**decomposition_table, **core_aten_decompositions()}.items():
-        if isinstance(op, torch._ops.OpOverload) and registry.find(op) is None:
-            table[op] = fn
-    return table
+    key = (len(registry.LOWERINGS), len(decomposition_table))
+    if _decomposition_cache.get("key") != key:
+        table = {}
+        for op, fn in {**decomposition_table, **core_aten_decompositions()}.items():
+            if isinstance(op, torch._ops.OpOverload) and registry.find(op) is None:
+                table[op] = fn
+        _decomposition_cache.update(key=key, table=table)
+    return _decomposition_cache["table"]
+
+
+_decomposition_cache: dict[str, Any] = {}
 
 
 _seen_graphs: dict[Any, list] = {}
