@@ -28,20 +28,24 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, make_model  # noqa: E402
+from bench_serve import free_port, make_model, wait_healthy  # noqa: E402
 
 ARMS = ("tpu-warm", "tpu-cold", "cpu", "vllm")
 
 
-def _command(arm: str, model_dir: Path, port: int, max_num_seqs: int, max_model_len: int) -> list[str]:
+def _launch(arm: str, model_dir: Path, port: int, max_num_seqs: int, max_model_len: int,
+            env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The arm's command and environment (`env`: ours, with its XLA cache directory)."""
     if arm == "vllm":
         import peer_vllm
 
-        return peer_vllm.serve_command(peer_vllm.ensure_vllm(), model_dir, port, max_num_seqs, "float32", max_model_len)
+        # its compute threads on the cores our engine process gets (all but one)
+        return (peer_vllm.serve_command(peer_vllm.ensure_vllm(), model_dir, port, max_num_seqs, "float32", max_model_len),
+                peer_vllm.vllm_env(max(1, (os.cpu_count() or 2) - 1)))
     device = "cpu" if arm == "cpu" else "tpu"
-    return [sys.executable, "-m", "torchbridge", "serve", "--model", str(model_dir), "--port", str(port),
-            "--device", device, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-            "--served-model-name", "bench", "--log-level", "warning"]
+    return ([sys.executable, "-m", "torchbridge", "serve", "--model", str(model_dir), "--port", str(port),
+             "--device", device, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+             "--served-model-name", "bench", "--log-level", "warning"], env)
 
 
 def start_once(cmd: list[str], env: dict[str, str], timeout: float) -> float:
@@ -51,26 +55,14 @@ def start_once(cmd: list[str], env: dict[str, str], timeout: float) -> float:
     with tempfile.TemporaryFile() as log:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
-        # one client, polled every 0.2 s: a new client per poll took ~28% of a core from the starting server
-        client = httpx.Client(timeout=1)
         try:
-            while True:
-                try:
-                    if client.get(base + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() - t0 > timeout:
-                    log.seek(0)
-                    raise RuntimeError(f"did not start: {' '.join(cmd)}\n{log.read().decode()[-4000:]}")
-                time.sleep(0.2)
+            wait_healthy(proc, base, t0 + timeout, log, cmd)
             seconds = time.monotonic() - t0
-            r = client.post(base + "/v1/completions", timeout=120,
-                            json={"model": "bench", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
+            r = httpx.post(base + "/v1/completions", timeout=120,
+                           json={"model": "bench", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
             r.raise_for_status()
             return seconds
         finally:
-            client.close()
             os.killpg(proc.pid, 9)
             proc.wait(timeout=60)
 
@@ -103,12 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         base_env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(warm_cache)}
 
         def run(arm: str, env: dict[str, str]) -> float:
-            cmd = _command(arm, model_dir, free_port(), args.max_num_seqs, args.max_model_len)
-            if arm == "vllm":  # its compute threads on the cores our engine process gets (all but one)
-                import peer_vllm
-
-                env = peer_vllm.vllm_env(max(1, (os.cpu_count() or 2) - 1))
-            return start_once(cmd, env, args.timeout)
+            return start_once(*_launch(arm, model_dir, free_port(), args.max_num_seqs, args.max_model_len, env),
+                              args.timeout)
 
         if "tpu-warm" in arms:
             print(f"priming the warm cache: {run('tpu-warm', base_env):.1f} s (untimed)", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 import operator
@@ -838,22 +839,20 @@ def compile_forward(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
 
 
 def _decompositions() -> dict:
-    """Decompose exactly the ops we cannot lower: core ATen's table plus any other known decomposition.
-    Built once per state of the two tables (both only grow): 0.2 s per graph, which the engine's shape
-    buckets paid ~70 times at start-up."""
+    """Decompose exactly the ops we cannot lower: core ATen's table plus any other known decomposition."""
     from torch._decomp import decomposition_table
 
-    key = (len(registry.LOWERINGS), len(decomposition_table))
-    if _decomposition_cache.get("key") != key:
-        table = {}
-        for op, fn in {**decomposition_table, **core_aten_decompositions()}.items():
-            if isinstance(op, torch._ops.OpOverload) and registry.find(op) is None:
-                table[op] = fn
-        _decomposition_cache.update(key=key, table=table)
-    return _decomposition_cache["table"]
+    return _decompositions_for(len(registry.LOWERINGS), len(decomposition_table))
 
 
-_decomposition_cache: dict[str, Any] = {}
+@functools.lru_cache(maxsize=1)
+def _decompositions_for(num_lowerings: int, num_decompositions: int) -> dict:
+    """The table, built once per state of the two tables it reads (both only grow, so their sizes name
+    the state): 0.2 s per graph, which the engine's shape buckets paid ~70 times at start-up."""
+    from torch._decomp import decomposition_table
+
+    return {op: fn for op, fn in {**decomposition_table, **core_aten_decompositions()}.items()
+            if isinstance(op, torch._ops.OpOverload) and registry.find(op) is None}
 
 
 _seen_graphs: dict[Any, list] = {}

@@ -113,13 +113,10 @@ class JaxOp:
         values = self.sig.bind(args, kwargs)
         device = next(t.device for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor))
         abstract = pytree.tree_map(_abstract, values)
-        traced = {k: v for k, v in abstract.items() if k in self.sig.traced_scalars or any(
-            p.name == k and p.kind != "scalar" for p in self.sig.params)}
-        fixed = {k: v for k, v in abstract.items() if k not in traced}
         key = _shape_key(abstract, self.sig.traced_scalars)
         res = self._shapes.get(key, _MISSING) if key is not None else _MISSING
         if res is _MISSING:
-            res = self._eval_shape(abstract, traced, fixed)
+            res = self._eval_shape(abstract)
             if key is not None:
                 if len(self._shapes) >= _SHAPE_CACHE_SIZE:
                     self._shapes.pop(next(iter(self._shapes)))
@@ -132,7 +129,10 @@ class JaxOp:
             res = res[0]
         return None if res is None else jax.tree.map(empty, res)
 
-    def _eval_shape(self, abstract: dict[str, Any], traced: dict[str, Any], fixed: dict[str, Any]) -> Any:
+    def _eval_shape(self, abstract: dict[str, Any]) -> Any:
+        traced = {k: v for k, v in abstract.items() if k in self.sig.traced_scalars or any(
+            p.name == k and p.kind != "scalar" for p in self.sig.params)}
+        fixed = {k: v for k, v in abstract.items() if k not in traced}
         try:
             # Any platform's branch has the same result shapes (platform_dependent requires it).
             res = jax.eval_shape(lambda t: self.run({**fixed, **t}, interpret=True, platform="cpu"), traced)

@@ -77,13 +77,11 @@ def train(device: str) -> dict:
             step_model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
-
     def checkpoint_state() -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, opt)
         return {"model": model_sd, "optim": optim_sd}
-
 
     first = 0
     if CKPT_MODE == "resume":
