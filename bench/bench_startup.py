@@ -9,20 +9,25 @@ Each start is then checked with one completion (the server really serves) and st
   untimed first start: a restart of the same server;
 - tpu-cold: a new, empty cache directory for every start: the first start on a machine;
 - cpu: the default device (no shape buckets, nothing to compile);
-- vllm: `vllm serve` (peer_vllm.py's environment), for scale.
+- vllm: `vllm serve` (peer_vllm.py's environment), for scale;
+- with `--baseline REV`, each tpu arm again as `<arm>@REV`: the same command from a git worktree of
+  that revision (its own warm cache), alternated with this checkout's: an A/B of a change.
 
     python bench/bench_startup.py --rounds 3 [--model bundled|bench] [--arms tpu-warm,tpu-cold,cpu,vllm]
+                                  [--baseline REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -67,6 +72,22 @@ def start_once(cmd: list[str], env: dict[str, str], timeout: float) -> float:
             proc.wait(timeout=60)
 
 
+@contextlib.contextmanager
+def _worktree(rev: str | None, path: Path) -> Iterator[Path | None]:
+    """A detached git worktree of `rev` at `path` for the run (None without a revision)."""
+    if rev is None:
+        yield None
+        return
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(path), rev], check=True,
+                   capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(path)], check=False,
+                       capture_output=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="tpu-warm,tpu-cold,cpu")
@@ -75,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--baseline", help="a git revision: its tpu arms run too, alternated with this checkout's")
     args = p.parse_args(argv)
     arms = args.arms.split(",")
     if bad := [a for a in arms if a not in ARMS]:
         p.error(f"unknown arms {bad}; choose from {ARMS}")
+    if args.baseline:
+        arms += [f"{a}@{args.baseline}" for a in arms if a.startswith("tpu")]
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _worktree(args.baseline, Path(tmp) / "baseline") as baseline:
         tmp_path = Path(tmp)
         if args.model == "bundled":
             from torchbridge.serve import default_model_dir
@@ -91,22 +115,26 @@ def main(argv: list[str] | None = None) -> int:
             make_model(model_dir)
         else:
             model_dir = Path(args.model)
-        warm_cache = tmp_path / "xla-warm"
-        base_env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(warm_cache)}
+        def env_for(arm: str, r: int | None = None) -> dict[str, str]:
+            """Its XLA cache (the warm one per source tree; a new one per cold start), and for a baseline
+            arm the worktree's sources ahead of this checkout's."""
+            kind, _, rev = arm.partition("@")
+            cache = tmp_path / (f"xla-cold-{r}-{rev}" if kind == "tpu-cold" else f"xla-warm-{rev}")
+            env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(cache)}
+            if rev:
+                env["PYTHONPATH"] = os.pathsep.join([str(baseline / "src"), *filter(None, [env.get("PYTHONPATH")])])
+            return env
 
         def run(arm: str, env: dict[str, str]) -> float:
-            return start_once(*_launch(arm, model_dir, free_port(), args.max_num_seqs, args.max_model_len, env),
-                              args.timeout)
+            return start_once(*_launch(arm.partition("@")[0], model_dir, free_port(), args.max_num_seqs,
+                                       args.max_model_len, env), args.timeout)
 
-        if "tpu-warm" in arms:
-            print(f"priming the warm cache: {run('tpu-warm', base_env):.1f} s (untimed)", flush=True)
+        for arm in (a for a in arms if a.startswith("tpu-warm")):
+            print(f"priming {arm}'s warm cache: {run(arm, env_for(arm)):.1f} s (untimed)", flush=True)
         times: dict[str, list[float]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms if r % 2 == 0 else arms[::-1]:
-                env = base_env
-                if arm == "tpu-cold":
-                    env = {**base_env, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(tmp_path / f"xla-cold-{r}")}
-                times[arm].append(run(arm, env))
+                times[arm].append(run(arm, env_for(arm, r)))
                 print(f"round {r + 1} {arm}: {times[arm][-1]:.1f} s", flush=True)
 
     print(f"\nStart-up to healthy, {args.model} model, --max-num-seqs {args.max_num_seqs} --max-model-len "
@@ -115,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| arm | median s | min s | max s |\n|---|---|---|---|")
     for arm, ts in times.items():
         print(f"| {arm} | {statistics.median(ts):.1f} | {min(ts):.1f} | {max(ts):.1f} |")
+    for arm in (a for a in arms if "@" in a):  # per round: the baseline's time over this checkout's
+        ratios = [b / n for b, n in zip(times[arm], times[arm.partition("@")[0]], strict=True)]
+        print(f"\n{arm.partition('@')[0]}: {arm} / this checkout = {statistics.median(ratios):.2f}x "
+              f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
     return 0
 
 

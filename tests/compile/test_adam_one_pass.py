@@ -38,8 +38,8 @@ def programs(monkeypatch: pytest.MonkeyPatch) -> list:
     built = []
     compile_graph = compile_backend.compile_graph
 
-    def spy(gm, example_inputs, forward=False):
-        program = compile_graph(gm, example_inputs, forward)
+    def spy(gm, example_inputs, forward=False, **kw):
+        program = compile_graph(gm, example_inputs, forward, **kw)
         built.append(program)
         return program
 

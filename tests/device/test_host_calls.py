@@ -199,9 +199,9 @@ def test_compiled_attention_is_one_fused_op_and_matches_cpu(case: str, host_kern
     seen = []
     compile_graph = backend.compile_graph
 
-    def spy(gm, example_inputs, forward=False):
+    def spy(gm, example_inputs, forward=False, **kw):
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return compile_graph(gm, example_inputs, forward)
+        return compile_graph(gm, example_inputs, forward, **kw)
 
     monkeypatch.setattr(backend, "compile_graph", spy)
     _check_attention(torch.compile(_attention, backend=DEV), case)

@@ -326,3 +326,25 @@ def test_bad_definitions_are_rejected_with_the_kernel_name():
 
     with pytest.raises(ValueError, match="must not end in '_'"):
         torchbridge.kernel("kapi::bad3_")(lambda x: x)
+
+
+def test_kernel_sizes_stay_symbolic_under_dynamic_shapes():
+    """With symbolic sizes a kernel's result sizes are expressions of its arguments' (JAX's shape
+    polymorphism; tile_rows gives 2*n rows), so Dynamo keeps one graph for every size instead of
+    guarding each; a Pallas kernel whose grid needs numbers gets them, per size. Each size against
+    the same computation in PyTorch on the CPU."""
+    from torch._dynamo.utils import counters
+
+    exact = {"symbolic_sizes": "exact"}
+    step = torch.compile(lambda x, w: tile_rows(rmsnorm(x, w), 0.5, times=2) * 3, backend=DEV, dynamic=True,
+                         options=exact)
+    frames = counters["stats"]["unique_graphs"]
+    for n in (3, 5, 9):
+        x, w = torch.randn(n, 16), torch.randn(16)
+        ref = (torch.tile(_rms_ref(x, w, 1e-6), (2, 1)) + 0.5) * 3
+        torch.testing.assert_close(step(x.to(DEV), w.to(DEV)).cpu(), ref)
+    assert counters["stats"]["unique_graphs"] - frames == 1
+    pallas = torch.compile(lambda x: affine(x) - 1, backend=DEV, dynamic=True, options=exact)
+    for n in (3, 13):
+        x = torch.randn(n, 128)
+        torch.testing.assert_close(pallas(x.to(DEV)).cpu(), x * 2)

@@ -49,7 +49,8 @@ def _shape(val: torch.Tensor) -> tuple[int, ...]:
 class GraphProgram:
     """A callable standing in for one FX graph; compiles once per input layout."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, mutated_inputs: frozenset[int] | None = frozenset()) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, name: str, mutated_inputs: frozenset[int] | None = frozenset(),
+                 exact: bool = False) -> None:
         self.gm = gm
         self.name = name
         # inputs AOTAutograd's runtime mutates after the call (an output must not be a view of them);
@@ -58,11 +59,13 @@ class GraphProgram:
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in self.nodes if n.op == "output")
-        # symbolic sizes (Dynamo saw an input's size change): bounded programs or specialised by guards
-        self.dims = bounded.Dims.of(self.placeholders, True)
-        if self.dims is not None and bounded.unsupported(gm.graph) is not None:
+        # symbolic sizes: bounded programs, one program per exact size (`exact`: sizes given by the
+        # inputs at each call), or specialised by Dynamo's guards
+        self.dims = bounded.Dims.of(self.placeholders, not exact)
+        if self.dims is not None and not exact and bounded.unsupported(gm.graph) is not None:
             self.dims.bounded = False  # (tpu_backend specialised it: Dynamo guards each size)
         self.bounded = self.dims is not None and self.dims.bounded
+        self.exact = self.dims is not None and exact
         # random nodes draw at consecutive offsets of the graph's one (seed, offset), as they would eagerly
         self._rng_offsets: dict[torch.fx.Node, int] = {}
         drawn = 0
@@ -158,8 +161,11 @@ class GraphProgram:
         entry = self._programs.get(key)
         if entry is None:
             if self._programs:
-                log.warning("torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
-            entry = self._build(descs, [c.shape for c in consts], plan, padded if self.bounded else None)
+                # (a graph with exact symbolic sizes compiles per size by design)
+                log.log(logging.INFO if self.exact or _recompiles_expected.get() else logging.WARNING,
+                        "torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
+            entry = self._build(descs, [c.shape for c in consts], plan,
+                                padded if self.bounded else true if self.exact else None)
             self._programs[key] = entry
             compile_counter[self.name] += 1
         self._last_key = key
@@ -187,7 +193,7 @@ class GraphProgram:
             if m[0] == "const":
                 results[i] = m[1]
             elif m[0] == "sym":  # a size the backward needs: its true value in this call
-                results[i] = bounded.concrete(m[1], true if self.bounded else None)
+                results[i] = bounded.concrete(m[1], true if self.bounded or self.exact else None)
             elif m[0] == "t":
                 _, shape, stride, dt, sym = m
                 t = torch.empty_strided(shape, stride, dtype=dt, device=device)
@@ -393,6 +399,12 @@ class GraphProgram:
             if target is torch.ops.aten.sym_numel.default:
                 return int(np.prod(args[0].shape))
             return target(*args)
+        if target in bounded.SIZE_COMPARISONS:  # (exact sizes only: bounded.unsupported rejects them)
+            return target(*args)
+        if target in bounded.SIZE_CHECKS:  # a check on sizes, which are this program's own numbers
+            if target is torch.ops.aten._assert_scalar.default and not args[0]:
+                raise RuntimeError(f"torchbridge.compile: {self.name}: {args[1]}")
+            return None
         gemm = host_calls.GEMM_OPERANDS.get(target._schema.name) if isinstance(target, torch._ops.OpOverload) else None
         if gemm:  # a transposed operand goes to the GEMM as is, with a flag
             args = tuple(_gemm_operand(a, env, untransposed) if i in gemm else v
@@ -778,6 +790,14 @@ def _is_random(node: torch.fx.Node) -> bool:
     return bool(lowering and lowering.random)
 
 
+def _random_on_symbolic_sizes(graph: torch.fx.Graph) -> str | None:
+    """A random op whose size is symbolic: the graph's draws are laid out once, for fixed sizes."""
+    for n in graph.nodes:
+        if _is_random(n) and bounded.free_symbols(n.meta.get("val")):
+            return f"random op {n.target} on a symbolic size"
+    return None
+
+
 def _tensor_leaves(val: Any) -> list[torch.Tensor]:
     if isinstance(val, torch.Tensor):
         return [val]
@@ -815,8 +835,9 @@ def _diff(old: Any, new: Any) -> str:
 _graph_ids = Counter()
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, forward: bool = False) -> Any:
-    """An AOTAutograd fw/bw compiler: returns a boxed callable running the graph as one executable."""
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, forward: bool = False, exact: bool = False) -> Any:
+    """An AOTAutograd fw/bw compiler: returns a boxed callable running the graph as one executable
+    (`exact`: a graph with symbolic sizes compiles one program per size its inputs have)."""
     from functorch.compile import make_boxed_func
 
     _graph_ids["graph"] += 1
@@ -828,14 +849,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, forward: bool 
         n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         if meta is not None and len(meta.input_info) == n_inputs:
             mutated = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
-    program = GraphProgram(gm, f"graph{_graph_ids['graph']}", mutated)
+    program = GraphProgram(gm, f"graph{_graph_ids['graph']}", mutated, exact)
     boxed = make_boxed_func(program)
     boxed.program = program  # for inspection (GraphProgram.hlo_texts)
     return boxed
 
 
-def compile_forward(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-    return compile_graph(gm, example_inputs, forward=True)
+def compile_forward(gm: torch.fx.GraphModule, example_inputs: list, exact: bool = False) -> Any:
+    return compile_graph(gm, example_inputs, forward=True, exact=exact)
 
 
 def _decompositions() -> dict:
@@ -921,13 +942,14 @@ class _Specialise(Exception):
     """A graph with symbolic sizes that some op cannot run padded (compile/bounded.py)."""
 
 
-def _aot(gm: torch.fx.GraphModule, example_inputs: list, bounded_sizes: bool) -> Any:
-    """AOTAutograd with our compilers; with `bounded_sizes`, raises _Specialise when the forward or
-    the backward graph has an op that cannot run on padded sizes."""
+def _aot(gm: torch.fx.GraphModule, example_inputs: list, sizes: str) -> Any:
+    """AOTAutograd with our compilers. `sizes`: "static" (no symbols left), "bounded" or "exact" (see
+    tpu_backend); raises _Specialise when the forward or the backward graph cannot run that way."""
     from torch._functorch.partitioners import default_partition
 
     def check(graph: torch.fx.Graph) -> None:
-        why = bounded.unsupported(graph) if bounded_sizes else None
+        why = (bounded.unsupported(graph) if sizes == "bounded" else
+               bounded.not_exact(graph) or _random_on_symbolic_sizes(graph) if sizes == "exact" else None)
         if why:
             raise _Specialise(why)
 
@@ -937,39 +959,56 @@ def _aot(gm: torch.fx.GraphModule, example_inputs: list, bounded_sizes: bool) ->
         check(bw.graph)
         return fw, bw
 
+    exact = sizes == "exact"
+
     def forward(fw: torch.fx.GraphModule, inputs: list) -> Any:
         check(fw.graph)  # an inference graph (no partition)
-        return compile_forward(fw, inputs)
+        return compile_forward(fw, inputs, exact)
+
+    def backward(bw: torch.fx.GraphModule, inputs: list) -> Any:
+        return compile_graph(bw, inputs, exact=exact)
 
     # (F.scaled_dot_product_attention becomes one fused op in the graphs: the device answers PyTorch's
     # SDPA backend choice with it, lowerings/attention.py)
-    return aot_autograd(fw_compiler=forward, bw_compiler=compile_graph, partition_fn=partition,
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition,
                         decompositions=_decompositions(), keep_inference_input_mutations=True)(gm, example_inputs)
 
 
-def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+SIZE_MODES = ("bounded", "exact")
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
+                options: dict | None = None) -> Any:
     """The function registered as torch.compile's `backend="tpu"`.
 
     XLA programs are static. A graph whose sizes are symbolic (Dynamo's automatic dynamic shapes saw an
-    input's size change, as for any backend) runs as bounded programs, one per padded size bucket,
-    where every op on those sizes can run padded (compile/bounded.py); otherwise it is specialised:
-    each new size compiles a new static program (pad to buckets yourself with
-    torchbridge.compile.pad_to_bucket). Nothing process-wide is changed: other backends keep Dynamo's
-    automatic dynamic shapes (see _specialize).
+    input's size change, as for any backend, or `dynamic=True`) runs, with the default
+    `options={"symbolic_sizes": "bounded"}`, as bounded programs, one per padded size bucket, where
+    every op on those sizes can run padded (compile/bounded.py); otherwise it is specialised: each new
+    size compiles a new static program (pad to buckets yourself with torchbridge.compile.pad_to_bucket).
+    With `"symbolic_sizes": "exact"` (for callers that already pad, like the engine's shape buckets) the
+    one traced graph compiles one static program per size its inputs have, without padding and without
+    Dynamo tracing again for each size. Nothing process-wide is changed: other backends keep Dynamo's
+    automatic dynamic shapes (see _specialize). `mode` is accepted and ignored (one compile mode).
     """
+    unknown = set(options or {}) - {"symbolic_sizes"}
+    sizes = (options or {}).get("symbolic_sizes", "bounded")
+    if unknown or sizes not in SIZE_MODES:
+        raise ValueError(f"torch.compile(backend={STATE.name!r}): options may set 'symbolic_sizes' to one of "
+                         f"{SIZE_MODES}; got {options}")
     # which inputs have symbolic sizes, with the graph's structure: the key of a decision to specialise
     symbolic = tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
                      if bounded.free_symbols(n.meta.get("example_value")))
-    structure = (_log_recompile(gm, example_inputs), symbolic)
+    structure = (_log_recompile(gm, example_inputs), symbolic, sizes)
     if symbolic and structure not in _specialised:
         try:
-            return _aot(gm, example_inputs, bounded_sizes=True)
+            return _aot(gm, example_inputs, sizes)
         except _Specialise as e:
-            log.info("torchbridge.compile: one program per size (%s)", e)
+            log.info("torchbridge.compile: one program per size, traced for each (%s)", e)
             _specialised[structure] = str(e)
     if symbolic:
         _specialize(gm)
-    return _aot(gm, example_inputs, bounded_sizes=False)
+    return _aot(gm, example_inputs, "static")
 
 
 # Graph structures found unable to run padded: their later sizes are specialised without tracing the

@@ -271,6 +271,12 @@ SIZED = frozenset({aten.expand.default, aten.zeros.default, aten.full.default, a
 # Integer arithmetic on sizes, in the trace on padded values (only for other sizes, checked by the users).
 SIZE_ARITHMETIC = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, operator.add,
                              operator.sub, operator.mul, operator.floordiv, operator.mod, torch.sym_max})
+# Comparisons of sizes and checks on them (torch._check): in a program for exact sizes, evaluated on this
+# call's sizes while tracing (bounded programs reject them: padded sizes would answer wrongly).
+SIZE_COMPARISONS = frozenset({operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+                              torch.sym_not})
+SIZE_CHECKS = frozenset({aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
+                         aten.sym_constrain_range.default})
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
 
@@ -326,4 +332,18 @@ def unsupported(graph: torch.fx.Graph) -> str | None:
         why = _reject(node)
         if why:
             return why
+    return None
+
+
+def not_exact(graph: torch.fx.Graph) -> str | None:
+    """Why the graph cannot compile one program per exact size (None: it can): every size must follow
+    from the sizes its inputs have at the call (no data-dependent size, no size of its own)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    known = set(Dims(placeholders, bounded=False).sources)
+    for node in graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        missing = free_symbols(node.meta.get("val")) - known
+        if missing:
+            return f"{node.target} has size {sorted(map(str, missing))}, which no input's size gives"
     return None

@@ -23,7 +23,7 @@ from jax._src import config as jax_config
 from torchbridge.device import custom_ops, dtypes
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
-from torchbridge.kernels import tiling
+from torchbridge.kernels import symbolic, tiling
 from torchbridge.kernels.signature import Signature
 
 
@@ -93,6 +93,7 @@ class JaxOp:
         # Output shapes per argument signature: Dynamo and AOTAutograd ask the fake kernel several times
         # per op and graph, and eval_shape retraces the whole kernel (both platform branches) each time.
         self._shapes: dict[Any, Any] = {}
+        self._symbolic_shapes: dict[Any, Any] = {}  # likewise, for symbolic sizes (kernels/symbolic.py)
 
     # -- the JAX side -----------------------------------------------------------------------------
     def run(self, values: dict[str, Any], interpret: Any, platform: str | None) -> Any:
@@ -112,15 +113,17 @@ class JaxOp:
     def _fake(self, *args: Any, **kwargs: Any) -> Any:
         values = self.sig.bind(args, kwargs)
         device = next(t.device for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor))
-        abstract = pytree.tree_map(_abstract, values)
-        key = _shape_key(abstract, self.sig.traced_scalars)
-        res = self._shapes.get(key, _MISSING) if key is not None else _MISSING
-        if res is _MISSING:
-            res = self._eval_shape(abstract)
-            if key is not None:
-                if len(self._shapes) >= _SHAPE_CACHE_SIZE:
-                    self._shapes.pop(next(iter(self._shapes)))
-                self._shapes[key] = res
+        res = symbolic.eval_shape(self._eval_shape, values, self._symbolic_shapes)
+        if res is None:  # no symbolic sizes, or the kernel needs them as numbers (then Dynamo guards them)
+            abstract = pytree.tree_map(_abstract, values)
+            key = _shape_key(abstract, self.sig.traced_scalars)
+            res = self._shapes.get(key, _MISSING) if key is not None else _MISSING
+            if res is _MISSING:
+                res = self._eval_shape(abstract)
+                if key is not None:
+                    if len(self._shapes) >= _SHAPE_CACHE_SIZE:
+                        self._shapes.pop(next(iter(self._shapes)))
+                    self._shapes[key] = res
 
         def empty(s: Any) -> torch.Tensor:
             return torch.empty(tuple(s.shape), dtype=dtypes.to_torch(s.dtype), device=device)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -86,28 +85,55 @@ class StepInput:
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
           meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
     """One engine step: the model over every scheduled token, then the logits of the rows to sample."""
+    # one token count for every per-token tensor (said to torch for steps traced with symbolic sizes)
+    torch._check(positions.shape[0] == input_ids.shape[0])
+    torch._check(meta.slot_mapping.shape[0] == input_ids.shape[0])
     hidden = model(input_ids, positions, kv_caches, meta)
     return model.compute_logits(hidden[sample_index])
 
 
-# Graphs per shape bucket that Dynamo may keep for the step (its default of 8 would send later
-# buckets back to eager): decode (batch x blocks) + prefill (tokens x blocks) + mixed steps.
+# Dynamo graphs the step may keep (its default of 8 would send later structures back to eager): with
+# symbolic bucket sizes a handful (decode, prefill, mixed steps; sizes of 1 are specialised).
 _MAX_STEP_GRAPHS = 512
+
+
+def _mark_bucket_sizes(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       sample_index: torch.Tensor) -> None:
+    """Mark the step's bucketed sizes (tokens, rows to sample, and per attention group its batch,
+    query length, blocks and results) symbolic: Dynamo then traces one graph for all buckets, and the
+    backend compiles it once per bucket (`symbolic_sizes="exact"`), where one trace per bucket cost ~5 s of
+    start-up each. The KV cache and the weights keep static sizes."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in (input_ids, positions, meta.slot_mapping, sample_index):
+        maybe_mark_dynamic(t, 0)
+    for g in meta.groups:
+        if isinstance(g, AttentionGroup):
+            maybe_mark_dynamic(g.query_index, (0, 1))
+            maybe_mark_dynamic(g.block_tables, (0, 1))
+            maybe_mark_dynamic(g.mask, (0, 2, 3))
+            maybe_mark_dynamic(g.out_tokens, 0)
+            maybe_mark_dynamic(g.out_cells, 0)
 
 
 def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrapper of _step
     import torch._dynamo
+    import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(_step, backend=device.type, dynamic=False)
+    compiled = torch.compile(_step, backend=device.type, options={"symbolic_sizes": "exact"})
     cfg = torch._dynamo.config
-    # Dynamo reads its recompile limits while it compiles, inside the call: raised for the engine's own
-    # calls only, not for other compiled code in the process.
+    # Dynamo reads these while it compiles, inside the call: set for the engine's own calls only, not for
+    # other compiled code in the process. No duck sizing: two bucket sizes equal in one step (tokens and
+    # results) are not the same size in the next.
     limits = cfg.patch(recompile_limit=max(cfg.recompile_limit, _MAX_STEP_GRAPHS),
                        accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, _MAX_STEP_GRAPHS))
+    no_duck = fx_config.patch(use_duck_shape=False)
 
-    def step(*args: Any) -> torch.Tensor:
-        with limits:
-            return compiled(*args)
+    def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+             meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+        _mark_bucket_sizes(input_ids, positions, meta, sample_index)
+        with limits, no_duck:
+            return compiled(model, input_ids, positions, kv_caches, meta, sample_index)
 
     return step
 
@@ -380,15 +406,18 @@ class ModelRunner:
         from tqdm import tqdm
 
         bs = self.block_size
+
+        def zeros(size: int) -> torch.Tensor:  # one tensor per input, as prepare() makes them (no aliases)
+            return torch.zeros((size,), dtype=torch.long, device=self.device)
+
         for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
             b, t = (x, 1) if kind == "decode" else (1, x)
             n = _bucket(b * t, 16)
-            zeros = torch.zeros((n,), dtype=torch.long, device=self.device)
             table = [self.scratch_block] * mb
             group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n, True,
                                 lambda v: torch.tensor(v, dtype=torch.long, device=self.device))
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.device), groups=[group])
-            sample_index = zeros[: _bucket(b) if kind == "decode" else 1]
-            self._step(self.model, zeros, zeros, self.kv_caches, meta, sample_index)
-            self.shapes_warmed.add(self.shape_key(zeros, sample_index, meta))
+            ids, sample_index = zeros(n), zeros(_bucket(b) if kind == "decode" else 1)
+            self._step(self.model, ids, zeros(n), self.kv_caches, meta, sample_index)
+            self.shapes_warmed.add(self.shape_key(ids, sample_index, meta))

@@ -520,8 +520,10 @@ int64_t torchbridge_sdp_choice(const at::Tensor& q, const at::Tensor& k, const a
       (q.scalar_type() != at::kFloat && q.scalar_type() != at::kDouble)) {
     return math;
   }
-  if (k.size(1) != v.size(1) || q.size(3) != k.size(3) || k.size(2) != v.size(2)) return math;
-  if (q.size(1) != k.size(1) && !(enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0)) return math;
+  // sym_size: a traced call with symbolic sizes (fake tensors) must not turn them into numbers (guards)
+  if (k.sym_size(1) != v.sym_size(1) || q.sym_size(3) != k.sym_size(3) || k.sym_size(2) != v.sym_size(2)) return math;
+  const auto qh = q.sym_size(1), kh = k.sym_size(1);
+  if (qh != kh && !(enable_gqa && kh > 0 && qh % kh == 0)) return math;
   return static_cast<int64_t>(at::SDPBackend::overrideable);
 }
 REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &torchbridge_sdp_choice)
