@@ -124,7 +124,7 @@ def test_two_ranks_on_cpu_give_hf_and_single_rank_tokens(tmp_path: Path, odd_voc
 
 def test_two_ranks_on_the_bridge_device_compiled(tmp_path: Path, odd_vocab_dir: Path, references: tuple) -> None:
     hf, single = references
-    got = tp_run(tmp_path, odd_vocab_dir, 2, "tpu", port_offset=2)
+    got = tp_run(tmp_path, odd_vocab_dir, 2, "tpu", port_offset=2, timeout=480)  # 169 s seen, cold cache, 2 workers
     _check(got, hf, single, 2)
     c = got["compile"]
     # each step one graph with its collectives inside (all-reduces and the LM head's all-gather), no breaks
