@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 aten = torch.ops.aten
 
 
-def _expr(x: torch.SymInt) -> sympy.Expr:
+def size_expr(x: torch.SymInt) -> sympy.Expr:
     """A size's expression after the shape environment's replacements (a size Dynamo guarded to
     one value, `s0 == 5`, is the constant 5)."""
     env = x.node.shape_env
@@ -47,12 +47,12 @@ def _expr(x: torch.SymInt) -> sympy.Expr:
 def free_symbols(val: Any) -> set[sympy.Symbol]:
     """The symbols a node's value (a tensor's sizes, strides and offset, or a SymInt) depends on."""
     if isinstance(val, torch.SymInt):
-        return set(_expr(val).free_symbols)
+        return set(size_expr(val).free_symbols)
     if isinstance(val, torch.Tensor):
         out: set[sympy.Symbol] = set()
         for s in (*val.shape, *val.stride(), val.storage_offset()):
             if isinstance(s, torch.SymInt):
-                out |= _expr(s).free_symbols
+                out |= size_expr(s).free_symbols
         return out
     if isinstance(val, (list, tuple)):
         return set().union(*(free_symbols(v) for v in val)) if val else set()
@@ -66,7 +66,7 @@ def concrete(x: Any, bindings: dict[sympy.Symbol, int] | None) -> int:
         return int(x)
     if bindings is None:
         return int(guarding_hint_or_throw(x))
-    return int(_expr(x).xreplace(bindings))
+    return int(size_expr(x).xreplace(bindings))
 
 
 def ints(seq: Any, bindings: dict[sympy.Symbol, int] | None) -> tuple[int, ...]:
@@ -76,7 +76,7 @@ def ints(seq: Any, bindings: dict[sympy.Symbol, int] | None) -> tuple[int, ...]:
 def plain_symbol(x: Any) -> sympy.Symbol | None:
     """The symbol a size is, when it is exactly one symbol (s0, not 2*s0)."""
     if isinstance(x, torch.SymInt):
-        e = _expr(x)
+        e = size_expr(x)
         return e if isinstance(e, sympy.Symbol) else None
     return None
 
@@ -312,23 +312,17 @@ def _reject(node: torch.fx.Node) -> str | None:
 
 
 def unsupported(graph: torch.fx.Graph) -> str | None:
-    """Why the graph cannot run as bounded programs (None: it can): an op on a symbolic size
-    without a rule above, or a size no input gives directly."""
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    dims = Dims(placeholders, bounded=True)
-    known = set(dims.sources)
+    """Why the graph cannot run as bounded programs (None: it can): a size no input gives directly
+    (not_exact), or an op on a symbolic size without a rule above."""
+    why = not_exact(graph)
+    if why:
+        return why
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
-            missing = free_symbols(node.meta.get("val")) - known if node.op == "placeholder" else set()
-            if missing:
-                return f"size {sorted(map(str, missing))} is no input's size"
             continue
         inputs = [_val(a) for a in node.all_input_nodes]
         if not (free_symbols(_val(node)) or any(free_symbols(v) for v in inputs)):
             continue
-        missing = free_symbols(_val(node)) - known
-        if missing:
-            return f"{node.target} makes size {sorted(map(str, missing))}"
         why = _reject(node)
         if why:
             return why

@@ -20,14 +20,10 @@ import torch
 import torch.utils._pytree as pytree
 from jax import export
 
+from torchbridge.compile.bounded import size_expr
 from torchbridge.device import dtypes
 
 _NUMBERS = "numbers"  # a cache entry: this layout's kernel needs its sizes as numbers
-
-
-def _expr(x: torch.SymInt) -> sympy.Expr:
-    env = x.node.shape_env
-    return env.replace(x.node.expr) if env is not None else x.node.expr
 
 
 def _to_jax(e: sympy.Expr, dims: dict[str, Any]) -> Any:
@@ -63,7 +59,7 @@ def _layout(values: dict[str, Any]) -> Any:
     known equal key alike and unrelated ones do not), dtypes and the other arguments."""
     def one(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return (tuple(str(_expr(d)) if isinstance(d, torch.SymInt) else d for d in v.shape), v.dtype)
+            return (tuple(str(size_expr(d)) if isinstance(d, torch.SymInt) else d for d in v.shape), v.dtype)
         return v
     leaves, spec = pytree.tree_flatten(values)
     try:
@@ -92,7 +88,7 @@ def eval_shape(evaluate: Callable[[dict[str, Any]], Any], values: dict[str, Any]
             cache[layout] = res
     if res is _NUMBERS:
         return None
-    torch_sizes = {str(_expr(d)): d for d in sizes if _expr(d).is_Symbol}
+    torch_sizes = {str(e): d for d in sizes if (e := size_expr(d)).is_Symbol}
     try:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(_size(d, torch_sizes) for d in s.shape), s.dtype), res)
     except Exception:  # noqa: BLE001 - a result size over a symbol no argument has on its own: numbers
@@ -104,13 +100,13 @@ _CACHE_SIZE = 256
 
 def _evaluate(evaluate: Callable[[dict[str, Any]], Any], values: dict[str, Any], sizes: list) -> Any:
     """The abstract result with JAX dimensions (one per torch symbol, of its name), or _NUMBERS."""
-    names = sorted({str(s) for d in sizes for s in _expr(d).free_symbols})
+    names = sorted({str(s) for d in sizes for s in size_expr(d).free_symbols})
     dims = dict(zip(names, export.symbolic_shape(", ".join(names)), strict=True))
 
     def abstract(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
-        shape = tuple(_to_jax(_expr(d), dims) if isinstance(d, torch.SymInt) else d for d in v.shape)
+        shape = tuple(_to_jax(size_expr(d), dims) if isinstance(d, torch.SymInt) else d for d in v.shape)
         return jax.ShapeDtypeStruct(shape, dtypes.to_jax(v.dtype))
 
     try:

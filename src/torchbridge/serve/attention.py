@@ -209,12 +209,6 @@ def paged_attention(
             out.index_copy_(0, g.query_index, o.view(-1, num_heads * head_dim))
             continue
         batch, max_q = g.query_index.shape
-        # One batch, query length and context in every tensor of the group: said to torch, so that a
-        # step traced with symbolic bucket sizes (model_runner) knows them equal, as the kernels need.
-        torch._check(g.block_tables.shape[0] == batch)
-        torch._check(g.mask.shape[0] == batch)
-        torch._check(g.mask.shape[2] == max_q)
-        torch._check(g.mask.shape[3] == g.block_tables.shape[1] * k_cache.shape[1])
         if decode_kernel is not None and max_q == 1:
             # a decode row's mask is exactly its context [0, len) (a padding row's: key 0 alone)
             lens = g.mask[:, 0, 0].sum(-1, dtype=torch.int32)

@@ -85,9 +85,19 @@ class StepInput:
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
           meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
     """One engine step: the model over every scheduled token, then the logits of the rows to sample."""
-    # one token count for every per-token tensor (said to torch for steps traced with symbolic sizes)
+    # Sizes that are one size, said to torch once per step, so that a step traced with symbolic bucket
+    # sizes knows them equal (as the kernels need): one token count for every per-token tensor, and per
+    # attention group one batch, query length and context (blocks x block size) in each of its tensors.
     torch._check(positions.shape[0] == input_ids.shape[0])
     torch._check(meta.slot_mapping.shape[0] == input_ids.shape[0])
+    block_size = kv_caches[0][0].shape[1]
+    for g in meta.groups:
+        if isinstance(g, AttentionGroup):
+            batch, max_q = g.query_index.shape
+            torch._check(g.block_tables.shape[0] == batch)
+            torch._check(g.mask.shape[0] == batch)
+            torch._check(g.mask.shape[2] == max_q)
+            torch._check(g.mask.shape[3] == g.block_tables.shape[1] * block_size)
     hidden = model(input_ids, positions, kv_caches, meta)
     return model.compute_logits(hidden[sample_index])
 
