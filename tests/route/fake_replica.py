@@ -32,6 +32,7 @@ class Knobs:
     fail_count: int | None = None       # ... only this many times (None: always)
     delay_first_s: float = 0.0          # before the response starts
     delay_token_s: float = 0.0          # between streamed chunks
+    delay_metrics_s: float = 0.0        # before /metrics answers (a scrape still in flight)
     queue: float = 0.0                  # reported vllm:num_requests_waiting
     running: float | None = None        # reported vllm:num_requests_running (None: actual)
     kv_usage: float = 0.0
@@ -133,6 +134,7 @@ def make_app(k: Knobs) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await asyncio.sleep(k.delay_metrics_s)
         running = k.active if k.running is None else k.running
         if k.engine == "sglang":
             text = (f"# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{{model_name=\"{k.model}\"}} {k.queue}\n"

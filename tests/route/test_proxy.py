@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -233,6 +234,21 @@ def test_down_replica_gauges_are_dropped_not_kept(fake_replicas, router) -> None
     assert r.picker.pool.queue[r.picker.pool.slots["r0"]] == 0
     f.knobs.healthy = True
     wait_for(lambda: 'router_replica_queue{replica="r0"} 7.0' in httpx.get(url + "/metrics").text, what="rescrape")
+
+
+def test_a_scrape_in_flight_when_the_replica_goes_down_is_discarded(fake_replicas, router) -> None:
+    (f,) = fake_replicas(1, queue=7, running=3, kv_usage=0.5)
+    url, r = router([f.url])
+    wait_for(lambda: 'router_replica_queue{replica="r0"} 7.0' in httpx.get(url + "/metrics").text, what="scrape")
+    f.knobs.delay_metrics_s = 1.0  # every scrape from now on answers after the health check has failed
+    time.sleep(0.3)
+    f.knobs.healthy = False
+    wait_for(lambda: not r.pool.replicas["r0"].healthy, what="r0 marked unhealthy")
+    down_at = time.time()
+    while time.time() < down_at + 1.5:  # the scrape in flight answers meanwhile; the next failed check would hide it
+        assert 'router_replica_queue{replica="r0"}' not in httpx.get(url + "/metrics").text
+        time.sleep(0.03)
+    assert r.pool.replicas["r0"].last_scrape < down_at and r.picker.pool.queue[r.picker.pool.slots["r0"]] == 0
 
 
 def test_body_over_the_limit_is_413_and_the_router_goes_on(fake_replicas, router) -> None:

@@ -206,6 +206,8 @@ class ReplicaPool:
         except (httpx.HTTPError, ValueError) as e:
             log.debug("scrape %s failed: %s", rep.name, e)
             return
+        if not rep.healthy or self.replicas.get(rep.name) is not rep:
+            return  # marked down (or removed) while this scrape was in flight: its numbers are stale
         rep.engine = vals
         rep.last_scrape = time.time()
         self.apply_engine_metrics(rep.name, vals)
