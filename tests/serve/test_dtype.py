@@ -57,19 +57,22 @@ def test_half_precision_within_hf_own_error(llama_dir: Path, dtype: str) -> None
     _assert_within_hf_error(hf_err, our_err)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_decode_steps_within_hf_own_error(llama_dir: Path, dtype: str) -> None:
+@pytest.mark.parametrize("dtype,device", [("bfloat16", "cpu"), ("float16", "cpu"), ("bfloat16", "tpu")])
+def test_half_precision_decode_steps_within_hf_own_error(llama_dir: Path, dtype: str, device: str) -> None:
     """Decode steps (a few rows per linear: on a CPU with AMX, bf16 runs them through the AMX kernel),
     checked the same way: our own greedy continuation, teacher-forced through Hugging Face in float32 and
-    in `dtype`, and the engine's log-probabilities at every generated position against float32."""
+    in `dtype`, and the engine's log-probabilities at every generated position against float32. On the
+    bridge's device the step is compiled and its bf16 KV cache is uint16 storage moved as bits."""
     from transformers import AutoModelForCausalLM
 
     from torchbridge.serve.linear import Linear
 
     torch_dtype = getattr(torch, dtype)
     prompts = mixed_prompts(4, seed=11, lo=5, hi=30)
-    llm = LLM(str(llama_dir), dtype=dtype, block_size=4, num_blocks=128, max_model_len=96)
+    llm = LLM(str(llama_dir), dtype=dtype, block_size=4, num_blocks=128, max_model_len=96, device=device)
     runner = llm.engine.runner
+    if device != "cpu":
+        assert runner.kv_caches[0][0].untyped_storage().nbytes() == runner.kv_caches[0][0].numel() * 2
     if dtype == "bfloat16" and runner.decode_kernel:
         from torchbridge.serve import cpu_kernels
 

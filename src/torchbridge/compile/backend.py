@@ -28,7 +28,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
-from torchbridge.compile import bounded, flex, functionalized, patterns, rng_state, spmd
+from torchbridge.compile import bounded, flex, functionalized, patterns, program_cache, rng_state, spmd
 from torchbridge.device import donation, dtypes, host_calls, storage, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE, run_collective
@@ -165,7 +165,7 @@ class GraphProgram:
                 log.log(logging.INFO if self.exact or _recompiles_expected.get() else logging.WARNING,
                         "torchbridge.compile: recompiling %s for new inputs (%s)", self.name, _diff(self._last_key, key))
             entry = self._build(descs, [c.shape for c in consts], plan,
-                                padded if self.bounded else true if self.exact else None)
+                                padded if self.bounded else true if self.exact else None, key)
             self._programs[key] = entry
             compile_counter[self.name] += 1
         self._last_key = key
@@ -212,11 +212,11 @@ class GraphProgram:
         a KV cache's few new rows, an optimizer step's parameters and state; Adam's one-pass custom call
         then aliases its results to its operands), held by nothing but the table (and `bufs`), each
         passed once; in the order the new values come out (donation.donating_jit)."""
-        # a buffer of another dtype than its tensor (a byte storage FSDP2 all-gathers into, written as
-        # float32) cannot take the new value, which comes out in the tensor's dtype
+        # a buffer of another width than its tensor's dtype (a byte storage FSDP2 all-gathers into, written
+        # as float32) cannot take the new value, which comes out in the tensor's dtype
         picks = [slot[i] for i in self.writes
                  if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
-                 and bufs[slot[i]].dtype == dtypes.to_jax(args[i].dtype)]
+                 and _same_width(bufs[slot[i]].dtype, dtypes.to_jax(args[i].dtype))]
         if not picks:
             return ()
         ids = [id(b) for b in bufs]
@@ -262,8 +262,12 @@ class GraphProgram:
         return outs
 
     # -- trace -----------------------------------------------------------------------------------
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return program_cache.graph_fingerprint(self.gm)
+
     def _build(self, descs: list, const_shapes: list, plan: spmd.Plan | None = None,
-               bindings: dict | None = None) -> tuple[Any, list]:
+               bindings: dict | None = None, cache_key: Any = None) -> tuple[Any, list]:
         out_vals = self.output_node.args[0]
         out_meta: list[Any] = []
         for v in out_vals:
@@ -350,14 +354,19 @@ class GraphProgram:
                 node, d = self.placeholders[i], descs[i]
                 val = written[i]
                 if d[0] == "d":
-                    _, spec, jdt, _, _, _ = d
-                    new_dev.append(views.write(flats[node], spec, jnp.broadcast_to(views.cast(val, jdt), spec.shape)))
+                    _, spec, jdt, buf_dtype, count, _ = d
+                    new = views.write(flats[node], spec, jnp.broadcast_to(views.cast(val, jdt), spec.shape))
+                    if _same_width(buf_dtype, jdt):  # the buffer keeps its dtype (a bf16 tensor over uint16 storage)
+                        new = views.bitcast_flat(new, buf_dtype, count)
+                    new_dev.append(new)
                 else:
                     new_host.append(views.cast(val, dtypes.to_jax(d[2])))
             return tuple(new_dev), tuple(outs), tuple(new_host)
 
         if plan is None:
-            return _Executable(program), out_meta
+            cached = None if cache_key is None or program_cache.directory() is None else (
+                self.fingerprint, repr((cache_key, bindings)))
+            return _Executable(program, cached), out_meta
         self._axes = {**plan.axes, "_sizes": plan.sizes}
         host_shapes = [d[1] for d in descs if d[0] == "h"]
 
@@ -655,12 +664,23 @@ def _broadcast_transcendentals(nodes: list) -> frozenset:
     return frozenset(picks)
 
 
-class _Executable:
-    """One graph's jitted program, plus variants that donate chosen input buffers."""
+def _same_width(buf_dtype: Any, dtype: Any) -> bool:
+    """A written buffer of this dtype takes its tensor's new value bit-cast (same item size, neither bool
+    nor complex: views.bitcast_flat's one-bitcast case)."""
+    a, b = jnp.dtype(buf_dtype), jnp.dtype(dtype)
+    plain = not any(x == jnp.bool_ or jnp.issubdtype(x, jnp.complexfloating) for x in (a, b))
+    return a == b or (plain and a.itemsize == b.itemsize)
 
-    def __init__(self, raw: Any) -> None:
+
+class _Executable:
+    """One graph's jitted program, plus variants that donate chosen input buffers. `cached`: the graph's
+    fingerprint and this program's call key, under which each variant's trace is kept on disk
+    (compile/program_cache.py); None: traced in this process only."""
+
+    def __init__(self, raw: Any, cached: tuple[str, str] | None = None) -> None:
         self.raw = raw
-        self.jitted = jax.jit(raw, keep_unused=True)  # placed by its inputs' devices, used or not
+        self.cached = cached
+        self._jitted: Any = None
         self._donating: dict[tuple[int, ...], Any] = {}
         self._avals: Any = None  # the first call's argument shapes, for hlo_text and copied_bytes
         self.spare_keys: list[tuple] | None = None  # its large outputs' (shape, dtype, device), after a call
@@ -671,6 +691,26 @@ class _Executable:
     def __call__(self, *args: Any) -> Any:
         self._remember(args)
         return self.jitted(*args)
+
+    @property
+    def jitted(self) -> Any:
+        if self._jitted is None:  # placed by its inputs' devices, used or not
+            self._jitted = self._jit(self.raw, self._avals, "plain")
+        return self._jitted
+
+    def _jit(self, fn: Any, args: tuple, variant: Any, donate: tuple[int, ...] = ()) -> Any:
+        """jax.jit(fn), its trace for `args` (arrays or their shapes) read from the program cache when
+        a process traced it before, else traced once and kept there."""
+        if self.cached is None:
+            return jax.jit(fn, donate_argnums=donate, keep_unused=True)
+        name = program_cache.key(*self.cached, variant)
+        exported = program_cache.load(name)
+        if exported is None:
+            exported = program_cache.export(fn, args, host_calls.TARGETS)
+            if exported is None:
+                return jax.jit(fn, donate_argnums=donate, keep_unused=True)
+            program_cache.store(name, exported)
+        return jax.jit(exported.call, donate_argnums=donate, keep_unused=True)
 
     def _remember(self, args: tuple) -> None:
         if self._avals is None:
@@ -695,7 +735,7 @@ class _Executable:
         None where XLA would copy a quarter or more of their bytes."""
         if keys not in self._recycling:
             raw = self.raw
-            jitted = jax.jit(lambda _spares, *args: raw(*args), donate_argnums=(0,), keep_unused=True)
+            jitted = self._jit(lambda _spares, *args: raw(*args), (tuple(spares), *call), ("recycling", keys), (0,))
             compiled = jitted.lower(tuple(spares), *call).compile()
             self._recycling[keys] = donation.unless_copying(compiled, sum(b.nbytes for b in spares),
                                                             lambda: self.copied_bytes(call))
@@ -724,7 +764,8 @@ class _Executable:
             at = set(positions)
             token = _DONATED.set(frozenset(i for i, k in slot.items() if k in at))  # read while tracing
             try:
-                compiled = donation.donating_jit(self.raw, positions).lower(*args).compile()
+                jitted = self._jit(donation.split_donated(self.raw, positions), args, ("donating", positions), (0,))
+                compiled = jitted.lower(*args).compile()
             finally:
                 _DONATED.reset(token)
             self._donating[positions] = donation.unless_copying(

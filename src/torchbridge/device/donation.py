@@ -54,10 +54,15 @@ def donating_jit(raw: Any, positions: tuple[int, ...]) -> Any:
     JAX gives each output the first unused donated input of its shape and dtype, in order: list the
     donated buffers in the order their new values come out, or XLA pairs a buffer with another one's
     result (all of an optimizer's same-shaped arrays) and copies both to keep the old values."""
+    return jax.jit(split_donated(raw, positions), donate_argnums=(0,), keep_unused=True)
+
+
+def split_donated(raw: Any, positions: tuple[int, ...]) -> Any:
+    """`raw(bufs, *rest)` as `fn(donated, others, *rest)` (donating_jit's argument order), not jitted."""
     def split(donated: tuple, others: tuple, *rest: Any) -> Any:
         return raw(merged(positions, donated, others), *rest)
 
-    return jax.jit(split, donate_argnums=(0,), keep_unused=True)
+    return split
 
 
 def merged(positions: tuple[int, ...], donated: tuple, others: tuple) -> tuple:

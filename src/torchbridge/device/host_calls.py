@@ -43,6 +43,7 @@ _ATTENTION = "torchbridge_attention"
 _ATTENTION_BACKWARD = "torchbridge_attention_backward"
 _ADAM = "torchbridge_adam_step"
 _ADAGRAD = "torchbridge_adagrad_step"
+TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD)  # every custom call we register
 # Parameters from this many elements get the one-pass Adam update; a bias or a norm's weight is
 # cheaper as XLA's own loops than as one more custom call.
 ADAM_MIN_ELEMENTS = 1 << 14

@@ -138,6 +138,11 @@ def bitcast_flat(buf: jnp.ndarray, dtype: jnp.dtype, count: int) -> jnp.ndarray:
     """Reinterpret a flat buffer's bytes as `count` elements of `dtype` (bool as 0/1 bytes)."""
     if buf.dtype == dtype and buf.shape[0] == count:
         return buf
+    dtype = jnp.dtype(dtype)
+    if (buf.shape[0] == count and buf.dtype.itemsize == dtype.itemsize and jnp.bool_ not in (buf.dtype, dtype)
+            and not jnp.issubdtype(buf.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating)):
+        # one bitcast, which XLA cancels against the program's own (16-bit floats moved as bits, lowerings/moves.py)
+        return lax.bitcast_convert_type(buf, dtype)
     # XLA cannot bitcast complex values; a complex element is its (real, imag) pair of floats in
     # memory, as in PyTorch's storage (view_as_real, view(dtype) and shared storages rely on it).
     dtype = jnp.dtype(dtype)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torchbridge.device.lowerings.moves import as_bits, from_bits
 from torchbridge.kernels import tiling
 from torchbridge.kernels.kernel import kernel
 
@@ -30,8 +31,9 @@ def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     length = block_tables.shape[1] * bs
-    k = k_cache[block_tables].reshape(b, length, kvh, d).astype(jnp.float32)
-    v = v_cache[block_tables].reshape(b, length, kvh, d).astype(jnp.float32)
+    # (gathered as bits: XLA's CPU backend converts a whole 16-bit cache to float32 to gather from it)
+    k = from_bits(as_bits(k_cache)[block_tables], k_cache.dtype).reshape(b, length, kvh, d).astype(jnp.float32)
+    v = from_bits(as_bits(v_cache)[block_tables], v_cache.dtype).reshape(b, length, kvh, d).astype(jnp.float32)
     qg = q.reshape(b, kvh, h // kvh, d).astype(jnp.float32)
     s = jnp.einsum("bkgd,bskd->bkgs", qg, k) * scale
     visible = (jnp.arange(length)[None, :] < context_lens[:, None])[:, None, None, :]

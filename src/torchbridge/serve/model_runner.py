@@ -47,6 +47,13 @@ def _bucket(n: int, smallest: int = 1) -> int:
     return b
 
 
+# The smallest bucket of a decode batch, of a block table and of the rows sampled. Dynamo specialises a
+# size of 1 (a new graph, ~5 s of start-up each: decode of one sequence or of one block, each alone and
+# together, was four structures where two remain); one padding row or block costs next to nothing (a
+# memory-bound decode step reads the same weights for 2 rows as for 1; vLLM's TPU runner pads to 8 rows).
+MIN_BUCKET = 2
+
+
 @dataclass
 class PlannedSeq:
     """One scheduled sequence, as every rank needs it to build the step's tensors."""
@@ -148,6 +155,25 @@ def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrap
     return step
 
 
+def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's K or V cache. On the bridge's device over JAX's CPU platform a 16-bit float cache is
+    uint16 storage viewed as its dtype: XLA's CPU backend moves 16-bit floats through float32 (the whole
+    cache converted there and back at every step), so the device moves them as bits (lowerings/moves.py),
+    and a buffer held as uint16 makes those bitcasts free (a bf16 decode step of the bundled model: 127 ->
+    ~10 ms)."""
+    if dtype.itemsize == 2 and dtype.is_floating_point and device.type not in ("cpu", "cuda", "meta"):
+        from torchbridge.device import buffers
+        from torchbridge.device.runtime import STATE
+
+        if device.type == STATE.name and STATE.platform == "cpu":
+            bits = torch.empty(shape, dtype=torch.uint16, device=device)
+            # its own buffer, of uint16, now: the device's lazy zeros would take their first reader's dtype
+            # (bf16) and be one buffer shared by every cache (none donated to the first step)
+            buffers.write_from_host(bits, torch.zeros(shape, dtype=torch.uint16))
+            return bits.view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _cpu_kernels_build() -> bool:
     from torchbridge.serve import cpu_kernels
 
@@ -189,10 +215,8 @@ class ModelRunner:
         amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
+                          for _ in range(mc.num_layers)]
         self.sliding_window = mc.sliding_window
         self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
@@ -237,7 +261,7 @@ class ModelRunner:
         num_real = len(ids)
         n, m = len(ids), len(sample)
         if pad:
-            n, m = _bucket(n, 16), _bucket(max(m, 1))
+            n, m = _bucket(n, 16), _bucket(m, MIN_BUCKET)
         ids += [0] * (n - len(ids))
         pos += [0] * (n - len(pos))
         slots += [self.scratch_block * bs] * (n - len(slots))
@@ -270,8 +294,9 @@ class ModelRunner:
         mb = max(len(tb) for *_, tb in members)
         out_len = sum(q for _, q, _, _ in members)
         if pad:
-            b, t, out_len = _bucket(b), _bucket(t), _bucket(out_len, 16)
-            mb = min(_bucket(mb), _bucket(self.max_blocks_per_seq))
+            # (a prefill group of one sequence, the usual chunked prefill, keeps its one row)
+            b, t, out_len = _bucket(b, MIN_BUCKET if t == 1 else 1), _bucket(t), _bucket(out_len, 16)
+            mb = min(_bucket(mb, MIN_BUCKET), _bucket(self.max_blocks_per_seq))
         query_index = [[0] * t for _ in range(b)]
         q_pos = [[0] * t for _ in range(b)]
         ctx_lens = [0] * b
@@ -396,9 +421,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send("warmup", max_num_seqs, max_num_batched_tokens, False)
         bs = self.block_size
-        batches = [_bucket(1) * 2**i for i in range(max(1, _bucket(max_num_seqs).bit_length()))]
-        batches = [x for x in batches if x <= _bucket(max_num_seqs)]
-        blocks = [2**i for i in range(_bucket(self.max_blocks_per_seq).bit_length())]
+        batches = [x for x in (2**i for i in range(20)) if MIN_BUCKET <= x <= _bucket(max_num_seqs, MIN_BUCKET)]
+        most = _bucket(self.max_blocks_per_seq)
+        blocks = [x for x in (2**i for i in range(20)) if min(MIN_BUCKET, most) <= x <= most]
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
@@ -428,6 +453,6 @@ class ModelRunner:
                                 lambda v: torch.tensor(v, dtype=torch.long, device=self.device))
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.device), groups=[group])
-            ids, sample_index = zeros(n), zeros(_bucket(b) if kind == "decode" else 1)
+            ids, sample_index = zeros(n), zeros(_bucket(b if kind == "decode" else 1, MIN_BUCKET))
             self._step(self.model, ids, zeros(n), self.kv_caches, meta, sample_index)
             self.shapes_warmed.add(self.shape_key(ids, sample_index, meta))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchbridge.device.lowerings.moves import as_bits, from_bits
 from torchbridge.device.lowerings.registry import ctx, lower
 
 
@@ -41,7 +42,7 @@ def _scalar(v, dtype):
 def index(self, indices):
     if self.ndim == 0:  # x[None]-style indexing of a 0-dim tensor only broadcasts
         return jnp.broadcast_to(self, _out_shape())
-    return self[_index_tuple(indices)].reshape(_out_shape())
+    return from_bits(as_bits(self)[_index_tuple(indices)], self.dtype).reshape(_out_shape())
 
 
 def _mask_put(self, indices, values, accumulate):
@@ -67,7 +68,7 @@ def index_put(self, indices, values, accumulate=False, unsafe=False):
         if self.dtype == jnp.bool_:
             return self.at[idx].max(values)
         return self.at[idx].add(values)
-    return self.at[idx].set(values)
+    return from_bits(as_bits(self).at[idx].set(as_bits(values)), self.dtype)
 
 
 def _along(dim: int, ndim: int, index) -> tuple:
@@ -78,7 +79,8 @@ def _along(dim: int, ndim: int, index) -> tuple:
 def index_select(self, dim, index):
     if self.ndim == 0:
         return jnp.broadcast_to(self, _out_shape())
-    return jnp.take(self, jnp.asarray(index).reshape(-1), axis=_dim(dim, self.ndim)).reshape(_out_shape())
+    taken = jnp.take(as_bits(self), jnp.asarray(index).reshape(-1), axis=_dim(dim, self.ndim))
+    return from_bits(taken, self.dtype).reshape(_out_shape())
 
 
 @lower("index_add")
@@ -102,7 +104,8 @@ def index_copy(self, dim, index, source):
     source = jnp.asarray(source).astype(self.dtype)
     if source.ndim == 0:
         source = source.reshape((1,) * self.ndim)
-    return self.at[_along(d, self.ndim, jnp.asarray(index).reshape(-1))].set(source)
+    written = as_bits(self).at[_along(d, self.ndim, jnp.asarray(index).reshape(-1))].set(as_bits(source))
+    return from_bits(written, self.dtype)
 
 
 @lower("index_fill")
@@ -116,9 +119,9 @@ def index_fill(self, dim, index, value):
 
 @lower("take")
 def take(self, index):
-    flat = self.reshape(-1)
+    flat = as_bits(self).reshape(-1)
     index = jnp.asarray(index)
-    return flat[jnp.where(index < 0, index + flat.shape[0], index)]
+    return from_bits(flat[jnp.where(index < 0, index + flat.shape[0], index)], self.dtype)
 
 
 # ---- gather / scatter ----
@@ -138,7 +141,7 @@ def gather(self, dim, index, sparse_grad=False):
     d = _dim(dim, self.ndim)
     if 0 in index.shape:
         return jnp.zeros(_out_shape(), self.dtype)
-    return self[_scatter_index(d, index)]
+    return from_bits(as_bits(self)[_scatter_index(d, index)], self.dtype)
 
 
 def _scatter_src(src, index, dtype):
@@ -170,6 +173,9 @@ def _scatter(self, dim, index, src, how: str):
         vals = jnp.asarray(src).astype(self.dtype).reshape(-1)[:1]
         return _apply(self.reshape(1).at[jnp.zeros(1, jnp.int32)], vals, how).reshape(())
     d = _dim(dim, self.ndim)
+    if how == "set":  # an overwrite moves bits (moves.py)
+        vals = as_bits(_scatter_src(src, index, self.dtype))
+        return from_bits(as_bits(self).at[_scatter_index(d, index)].set(vals), self.dtype)
     return _apply(self.at[_scatter_index(d, index)], _scatter_src(src, index, self.dtype), how)
 
 

@@ -1,0 +1,128 @@
+"""Traced programs on disk: a compiled graph's JAX program, serialized with `jax.export`, so that a later
+process skips tracing the graph into JAX and lowering it.
+
+XLA's persistent cache (device/registration.py) already skips the XLA compile of a program seen before,
+but not the work in front of it: interpreting the FX graph through the lowerings (~0.3 s for one engine
+step of the bundled model) and lowering the result to StableHLO (~0.15 s), per shape bucket. Here the
+StableHLO itself is kept, keyed by everything the trace reads: the graph (its code and every node's
+shape, stride and dtype), the call's input layout, the program's variant (which buffers it donates),
+and the environment (torchbridge's sources, the torch, JAX and jaxlib versions, the platform, XLA_FLAGS
+and the TORCHBRIDGE_* switches). A key that changes only misses; nothing stale is ever loaded.
+
+It lives beside XLA's cache and follows its switches (TORCHBRIDGE_COMPILE_CACHE=0 turns both off,
+TORCHBRIDGE_COMPILE_CACHE_DIR moves both). A program that cannot be exported (collectives over a mesh)
+is traced as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import jax
+import torch
+
+log = logging.getLogger(__name__)
+stats: Counter[str] = Counter()  # hits, misses, stored, unexportable
+SUBDIR = "torchbridge-programs"
+_SOURCE_SUFFIXES = (".py", ".cpp", ".cc", ".h")
+
+
+def directory() -> Path | None:
+    """Where programs are kept: beside XLA's persistent cache; None when that cache is off."""
+    base = jax.config.jax_compilation_cache_dir
+    return Path(base) / SUBDIR if base else None
+
+
+@functools.cache
+def environment() -> str:
+    """What every traced program also depends on, hashed once per process."""
+    import torchbridge
+
+    h = hashlib.sha256()
+    root = Path(torchbridge.__file__).parent
+    for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("TORCHBRIDGE_") and not k.startswith("TORCHBRIDGE_COMPILE_CACHE"))
+    h.update(repr((torch.__version__, jax.__version__, jax.lib.__version__, sys.version_info[:2],
+                   os.environ.get("XLA_FLAGS", ""), switches)).encode())
+    return h.hexdigest()
+
+
+def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
+    """The graph as the trace reads it: its code, and every node's value's shape, stride and dtype
+    (symbolic sizes by their expressions); FX subgraphs (FlexAttention's functions) by their code."""
+    h = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        h.update(_describe(node.meta.get("val")).encode())
+    for name, sub in gm.named_children():
+        if isinstance(sub, torch.fx.GraphModule):
+            h.update(name.encode())
+            h.update(graph_fingerprint(sub).encode())
+    return h.hexdigest()
+
+
+def _describe(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"T{tuple(val.shape)}{tuple(val.stride())}{val.storage_offset()}{val.dtype}{val.device.type}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ",".join(_describe(v) for v in val) + ")"
+    return type(val).__name__ + str(val)
+
+
+def key(graph: str, call: Any, variant: Any) -> str:
+    """The file name of one program: graph fingerprint, the call's layout key, the variant."""
+    return hashlib.sha256(repr((environment(), graph, call, variant)).encode()).hexdigest()
+
+
+def load(name: str) -> jax.export.Exported | None:
+    d = directory()
+    if d is None:
+        return None
+    try:
+        blob = (d / name).read_bytes()
+    except OSError:
+        stats["misses"] += 1
+        return None
+    try:
+        exported = jax.export.deserialize(bytearray(blob))
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file is a miss, never an error
+        log.warning("torchbridge.compile: ignoring unreadable cached program %s (%s)", name, e)
+        stats["misses"] += 1
+        return None
+    stats["hits"] += 1
+    return exported
+
+
+def store(name: str, exported: jax.export.Exported) -> None:
+    d = directory()
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(exported.serialize())
+        os.replace(tmp, d / name)  # atomic: a reader in another process sees all of it or nothing
+        stats["stored"] += 1
+    except (OSError, ImportError) as e:  # ImportError: jax.export serializes with flatbuffers
+        log.warning("torchbridge.compile: could not cache a program in %s (%s)", d, e)
+
+
+def export(fn: Any, args: tuple, custom_calls: tuple[str, ...]) -> jax.export.Exported | None:
+    """`fn` traced and lowered for `args` (what jax.jit would do), as an Exported; None where JAX cannot
+    export it. `custom_calls`: the FFI targets the program may call (ours, registered in every process)."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in custom_calls]
+    try:
+        return jax.export.export(jax.jit(fn, keep_unused=True), disabled_checks=checks)(*args)
+    except Exception as e:  # noqa: BLE001 - e.g. an effect export refuses; the caller jits `fn` itself
+        stats["unexportable"] += 1
+        log.info("torchbridge.compile: program not cached (%s: %s)", type(e).__name__, e)
+        return None

@@ -1,0 +1,112 @@
+"""Compiled programs kept on disk (compile/program_cache.py): a second process loads the traced program
+instead of tracing the graph into JAX again, and gives the same results as CPU eager; a changed graph
+or a damaged file is a miss, never a wrong program."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A compiled function that writes one of its inputs (the engine's KV cache pattern: a donating variant)
+# and one that only reads (the plain variant); prints their results and the cache's counters.
+JOB = r"""
+import json, sys, torch
+import torchbridge
+from torchbridge.compile import program_cache
+
+scale = float(sys.argv[1])
+
+def write(cache, idx, rows):
+    cache.index_copy_(0, idx, rows * scale)
+    return cache.sum(dim=1)
+
+def read(x, w):
+    return torch.nn.functional.gelu(x @ w) * scale
+
+torch.manual_seed(0)
+cache = torch.zeros(4096, 64)
+idx, rows = torch.tensor([3, 7, 100]), torch.randn(3, 64)
+x, w = torch.randn(8, 32), torch.randn(32, 16)
+dev_cache = cache.to("tpu")
+out = {
+    "write": torch.compile(write, backend="tpu")(dev_cache, idx.to("tpu"), rows.to("tpu")).cpu().tolist(),
+    "written": dev_cache.cpu()[[3, 7, 100]].tolist(),
+    "read": torch.compile(read, backend="tpu")(x.to("tpu"), w.to("tpu")).cpu().tolist(),
+}
+ref_cache = cache.clone()
+out["ref_write"] = write(ref_cache, idx, rows).tolist()
+out["ref_written"] = ref_cache[[3, 7, 100]].tolist()
+out["ref_read"] = read(x, w).tolist()
+out["stats"] = dict(program_cache.stats)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _run(cache_dir: Path, scale: float = 2.0) -> dict:
+    # the host-GEMM choice pinned: unset, each process measures it (host_calls.gemm_probe), and on a busy
+    # machine two processes may choose differently, which is a different program (a miss, rightly)
+    env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(cache_dir), "TORCHBRIDGE_HOST_GEMM": "1"}
+    env.pop("TORCHBRIDGE_COMPILE_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", JOB, str(scale)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def _assert_matches_cpu(out: dict) -> None:
+    import torch
+
+    for name in ("write", "written", "read"):
+        torch.testing.assert_close(torch.tensor(out[name]), torch.tensor(out[f"ref_{name}"]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_process_loads_the_programs_and_matches_cpu(tmp_path: Path) -> None:
+    first = _run(tmp_path)
+    _assert_matches_cpu(first)
+    assert first["stats"].get("stored", 0) >= 2 and first["stats"].get("hits", 0) == 0, first["stats"]
+    stored = sorted(p.name for p in (tmp_path / "torchbridge-programs").iterdir())
+    assert len(stored) == first["stats"]["stored"]
+    second = _run(tmp_path)
+    _assert_matches_cpu(second)
+    assert second["stats"].get("hits", 0) == first["stats"]["stored"], second["stats"]
+    assert second["stats"].get("stored", 0) == 0
+    assert second["write"] == first["write"] and second["read"] == first["read"]
+
+
+def test_another_graph_misses_and_a_damaged_file_is_ignored(tmp_path: Path) -> None:
+    first = _run(tmp_path, scale=2.0)
+    # the constant 3.0 is in the graph's code: other programs, none loaded from the first run's
+    other = _run(tmp_path, scale=3.0)
+    _assert_matches_cpu(other)
+    assert other["stats"].get("hits", 0) == 0 and other["stats"].get("stored", 0) == first["stats"]["stored"]
+    for p in (tmp_path / "torchbridge-programs").iterdir():
+        p.write_bytes(b"not a program")
+    damaged = _run(tmp_path, scale=2.0)
+    _assert_matches_cpu(damaged)
+    assert damaged["stats"].get("hits", 0) == 0 and damaged["stats"].get("misses", 0) >= 2
+
+
+def test_the_key_covers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchbridge.compile import program_cache
+
+    monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "1")
+    program_cache.environment.cache_clear()  # (hashed once per process: the sources as they are now)
+    base = program_cache.key("graph", ("call",), "plain")
+    assert program_cache.key("graph", ("call",), ("donating", (0,))) != base
+    assert program_cache.key("other graph", ("call",), "plain") != base
+    program_cache.environment.cache_clear()
+    monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "0")
+    try:
+        assert program_cache.key("graph", ("call",), "plain") != base
+    finally:
+        monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "1")
+        program_cache.environment.cache_clear()
+    assert program_cache.key("graph", ("call",), "plain") == base
+    monkeypatch.undo()
+    program_cache.environment.cache_clear()
