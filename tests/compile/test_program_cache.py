@@ -92,7 +92,7 @@ def test_another_graph_misses_and_a_damaged_file_is_ignored(tmp_path: Path) -> N
     assert damaged["stats"].get("hits", 0) == 0 and damaged["stats"].get("misses", 0) >= 2
 
 
-def test_the_key_covers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_key_covers_the_environment_and_the_matmul_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     from torchbridge.compile import program_cache
 
     monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "1")
@@ -108,5 +108,42 @@ def test_the_key_covers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setenv("TORCHBRIDGE_HOST_GEMM", "1")
         program_cache.environment.cache_clear()
     assert program_cache.key("graph", ("call",), "plain") == base
+    import torchbridge
+
+    torchbridge.set_matmul_precision("highest")
+    try:
+        assert program_cache.key("graph", ("call",), "plain") != base
+    finally:
+        torchbridge.set_matmul_precision("default")
+    assert program_cache.key("graph", ("call",), "plain") == base
     monkeypatch.undo()
     program_cache.environment.cache_clear()
+
+
+MODES = r"""
+import torch, torchbridge
+from torchbridge.compile import program_cache
+
+def f(x):
+    return (x * 2 + 1).sum()
+
+outs = []
+for opts in ({}, {"symbolic_sizes": "exact"}):  # one graph code, bounded then exact programs
+    g = torch.compile(f, backend="tpu", dynamic=True, options=opts)
+    for n in (8, 16):  # powers of two: the bounded program's padded sizes equal the true ones
+        x = torch.arange(n, dtype=torch.float32)
+        outs.append((float(g(x.to("tpu")).cpu()), float(f(x))))
+    torch._dynamo.reset()
+print("RESULT", outs, dict(program_cache.stats))
+"""
+
+
+def test_bounded_and_exact_programs_of_one_graph_are_not_confused(tmp_path: Path) -> None:
+    env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(tmp_path), "TORCHBRIDGE_HOST_GEMM": "1"}
+    env.pop("TORCHBRIDGE_COMPILE_CACHE", None)
+    for _ in range(2):  # the second process loads what the first stored
+        proc = subprocess.run([sys.executable, "-c", MODES], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+        outs = eval(line[len("RESULT"):].split("{")[0].strip().rstrip(","))  # noqa: S307 - our own list of floats
+        assert outs and all(ours == ref for ours, ref in outs), outs

@@ -364,8 +364,10 @@ class GraphProgram:
             return tuple(new_dev), tuple(outs), tuple(new_host)
 
         if plan is None:
+            # (the size mode too: a bounded program takes the true sizes as an extra input)
+            mode = "bounded" if self.bounded else "exact" if self.exact else "static"
             cached = None if cache_key is None or program_cache.directory() is None else (
-                self.fingerprint, repr((cache_key, bindings)))
+                self.fingerprint, repr((mode, cache_key, bindings)))
             return _Executable(program, cached), out_meta
         self._axes = {**plan.axes, "_sizes": plan.sizes}
         host_shapes = [d[1] for d in descs if d[0] == "h"]

@@ -79,8 +79,10 @@ def _describe(val: Any) -> str:
 
 
 def key(graph: str, call: Any, variant: Any) -> str:
-    """The file name of one program: graph fingerprint, the call's layout key, the variant."""
-    return hashlib.sha256(repr((environment(), graph, call, variant)).encode()).hexdigest()
+    """The file name of one program: graph fingerprint, the call's layout key, the variant, and the JAX
+    settings a trace reads that may change while the process runs (torchbridge.set_matmul_precision)."""
+    settings = (jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64)
+    return hashlib.sha256(repr((environment(), settings, graph, call, variant)).encode()).hexdigest()
 
 
 def load(name: str) -> jax.export.Exported | None:
