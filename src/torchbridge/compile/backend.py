@@ -216,7 +216,7 @@ class GraphProgram:
         # as float32) cannot take the new value, which comes out in the tensor's dtype
         picks = [slot[i] for i in self.writes
                  if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
-                 and _same_width(bufs[slot[i]].dtype, dtypes.to_jax(args[i].dtype))]
+                 and views.same_width(bufs[slot[i]].dtype, dtypes.to_jax(args[i].dtype))]
         if not picks:
             return ()
         ids = [id(b) for b in bufs]
@@ -356,7 +356,7 @@ class GraphProgram:
                 if d[0] == "d":
                     _, spec, jdt, buf_dtype, count, _ = d
                     new = views.write(flats[node], spec, jnp.broadcast_to(views.cast(val, jdt), spec.shape))
-                    if _same_width(buf_dtype, jdt):  # the buffer keeps its dtype (a bf16 tensor over uint16 storage)
+                    if views.same_width(buf_dtype, jdt):  # the buffer keeps its dtype (a bf16 tensor over uint16 storage)
                         new = views.bitcast_flat(new, buf_dtype, count)
                     new_dev.append(new)
                 else:
@@ -664,14 +664,6 @@ def _broadcast_transcendentals(nodes: list) -> frozenset:
                 picks.add(n)
                 break
     return frozenset(picks)
-
-
-def _same_width(buf_dtype: Any, dtype: Any) -> bool:
-    """A written buffer of this dtype takes its tensor's new value bit-cast (same item size, neither bool
-    nor complex: views.bitcast_flat's one-bitcast case)."""
-    a, b = jnp.dtype(buf_dtype), jnp.dtype(dtype)
-    plain = not any(x == jnp.bool_ or jnp.issubdtype(x, jnp.complexfloating) for x in (a, b))
-    return a == b or (plain and a.itemsize == b.itemsize)
 
 
 class _Executable:

@@ -9,7 +9,7 @@ transposes; anything else falls back to a gather/scatter with computed indices.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -134,18 +134,24 @@ def layout(values: jnp.ndarray, spec: ViewSpec, storage_numel: int) -> jnp.ndarr
     return write(jnp.zeros((storage_numel,), values.dtype), spec, values)
 
 
+def same_width(a: Any, b: Any) -> bool:
+    """Whether elements of dtype `a` reinterpret as elements of `b` one for one: one bitcast (the same
+    item size, neither bool nor complex), or none (the same dtype)."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    plain = not any(x == jnp.bool_ or jnp.issubdtype(x, jnp.complexfloating) for x in (a, b))
+    return a == b or (plain and a.itemsize == b.itemsize)
+
+
 def bitcast_flat(buf: jnp.ndarray, dtype: jnp.dtype, count: int) -> jnp.ndarray:
     """Reinterpret a flat buffer's bytes as `count` elements of `dtype` (bool as 0/1 bytes)."""
     if buf.dtype == dtype and buf.shape[0] == count:
         return buf
     dtype = jnp.dtype(dtype)
-    if (buf.shape[0] == count and buf.dtype.itemsize == dtype.itemsize and jnp.bool_ not in (buf.dtype, dtype)
-            and not jnp.issubdtype(buf.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating)):
+    if buf.shape[0] == count and same_width(buf.dtype, dtype):
         # one bitcast, which XLA cancels against the program's own (16-bit floats moved as bits, lowerings/moves.py)
         return lax.bitcast_convert_type(buf, dtype)
     # XLA cannot bitcast complex values; a complex element is its (real, imag) pair of floats in
     # memory, as in PyTorch's storage (view_as_real, view(dtype) and shared storages rely on it).
-    dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
         pairs = bitcast_flat(buf, _COMPONENT[dtype], 2 * count).reshape(count, 2)
         return lax.complex(pairs[:, 0], pairs[:, 1])

@@ -161,11 +161,12 @@ def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     cache converted there and back at every step), so the device moves them as bits (lowerings/moves.py),
     and a buffer held as uint16 makes those bitcasts free (a bf16 decode step of the bundled model: 127 ->
     ~10 ms)."""
-    if dtype.itemsize == 2 and dtype.is_floating_point and device.type not in ("cpu", "cuda", "meta"):
-        from torchbridge.device import buffers
+    if device.type not in ("cpu", "cuda", "meta"):
+        from torchbridge.device import buffers, dtypes
+        from torchbridge.device.lowerings.moves import moved_as_bits
         from torchbridge.device.runtime import STATE
 
-        if device.type == STATE.name and STATE.platform == "cpu":
+        if device.type == STATE.name and moved_as_bits(dtypes.to_jax(dtype)):
             bits = torch.empty(shape, dtype=torch.uint16, device=device)
             # its own buffer, of uint16, now: the device's lazy zeros would take their first reader's dtype
             # (bf16) and be one buffer shared by every cache (none donated to the first step)

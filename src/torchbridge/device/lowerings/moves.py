@@ -20,12 +20,16 @@ from torchbridge.device.runtime import STATE
 _NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def moved_as_bits(dtype: Any) -> bool:
+    """Whether values of `dtype` are gathered and scattered as uint16 bits here (16-bit floats on the
+    CPU platform)."""
+    return jnp.dtype(dtype) in _NARROW_FLOATS and STATE.platform == "cpu"
+
+
 def as_bits(x: Any) -> Any:
-    """`x` as uint16 bits when it is a 16-bit float on the CPU platform, else `x` unchanged."""
+    """`x` as uint16 bits when it is moved as bits (moved_as_bits), else `x` unchanged."""
     x = jnp.asarray(x)
-    if x.dtype in _NARROW_FLOATS and STATE.platform == "cpu":
-        return lax.bitcast_convert_type(x, jnp.uint16)
-    return x
+    return lax.bitcast_convert_type(x, jnp.uint16) if moved_as_bits(x.dtype) else x
 
 
 def from_bits(x: Any, dtype: Any) -> Any:
