@@ -14,7 +14,7 @@ from torchbridge.device import donation
 
 DEV = torchbridge.device_name()
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_program_cache")
 
 # two 2 MiB parameters (over donation.DONATE_BYTES) and two small ones
 SHAPES = [(512, 1024), (1024, 512), (1024,), (7,)]

@@ -19,7 +19,7 @@ import json, sys, torch
 import torchbridge
 from torchbridge.compile import program_cache
 
-scale = float(sys.argv[1])
+scale, device = float(sys.argv[1]), sys.argv[2]
 
 def write(cache, idx, rows):
     cache.index_copy_(0, idx, rows * scale)
@@ -32,11 +32,11 @@ torch.manual_seed(0)
 cache = torch.zeros(4096, 64)
 idx, rows = torch.tensor([3, 7, 100]), torch.randn(3, 64)
 x, w = torch.randn(8, 32), torch.randn(32, 16)
-dev_cache = cache.to("tpu")
+dev_cache = cache.to(device)
 out = {
-    "write": torch.compile(write, backend="tpu")(dev_cache, idx.to("tpu"), rows.to("tpu")).cpu().tolist(),
+    "write": torch.compile(write, backend="tpu")(dev_cache, idx.to(device), rows.to(device)).cpu().tolist(),
     "written": dev_cache.cpu()[[3, 7, 100]].tolist(),
-    "read": torch.compile(read, backend="tpu")(x.to("tpu"), w.to("tpu")).cpu().tolist(),
+    "read": torch.compile(read, backend="tpu")(x.to(device), w.to(device)).cpu().tolist(),
 }
 ref_cache = cache.clone()
 out["ref_write"] = write(ref_cache, idx, rows).tolist()
@@ -47,12 +47,12 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def _run(cache_dir: Path, scale: float = 2.0) -> dict:
+def _run(cache_dir: Path, scale: float = 2.0, device: str = "tpu") -> dict:
     # the host-GEMM choice pinned: unset, each process measures it (host_calls.gemm_probe), and on a busy
     # machine two processes may choose differently, which is a different program (a miss, rightly)
     env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(cache_dir), "TORCHBRIDGE_HOST_GEMM": "1"}
     env.pop("TORCHBRIDGE_COMPILE_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", JOB, str(scale)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", JOB, str(scale), device], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
@@ -69,14 +69,31 @@ def _assert_matches_cpu(out: dict) -> None:
 def test_a_second_process_loads_the_programs_and_matches_cpu(tmp_path: Path) -> None:
     first = _run(tmp_path)
     _assert_matches_cpu(first)
+    # traced: the writing graph's donating variant and the reading graph's plain one; compiled: the donating one
     assert first["stats"].get("stored", 0) >= 2 and first["stats"].get("hits", 0) == 0, first["stats"]
+    assert first["stats"].get("executables_stored", 0) == 1, first["stats"]
     stored = sorted(p.name for p in (tmp_path / "torchbridge-programs").iterdir())
-    assert len(stored) == first["stats"]["stored"]
+    assert len(stored) == first["stats"]["stored"] + first["stats"]["executables_stored"]
     second = _run(tmp_path)
     _assert_matches_cpu(second)
-    assert second["stats"].get("hits", 0) == first["stats"]["stored"], second["stats"]
-    assert second["stats"].get("stored", 0) == 0
+    # the donating program comes compiled (its trace is not read); the plain one from its trace
+    assert second["stats"].get("executable_hits", 0) == 1, second["stats"]
+    assert second["stats"].get("hits", 0) == first["stats"]["stored"] - 1, second["stats"]
+    assert second["stats"].get("stored", 0) == 0 and second["stats"].get("executables_stored", 0) == 0
     assert second["write"] == first["write"] and second["read"] == first["read"]
+    assert second["written"] == first["written"]
+
+
+def test_a_program_compiled_for_one_chip_is_not_loaded_for_another(tmp_path: Path) -> None:
+    first = _run(tmp_path)
+    # the same graphs on chip 3: their traces load, the executable built for chip 0 does not
+    other = _run(tmp_path, device="tpu:3")
+    _assert_matches_cpu(other)
+    assert other["stats"].get("hits", 0) == first["stats"]["stored"], other["stats"]
+    assert other["stats"].get("executable_hits", 0) == 0 and other["stats"].get("executables_stored", 0) == 1
+    again = _run(tmp_path, device="tpu:3")
+    _assert_matches_cpu(again)
+    assert again["stats"].get("executable_hits", 0) == 1, again["stats"]
 
 
 def test_another_graph_misses_and_a_damaged_file_is_ignored(tmp_path: Path) -> None:
@@ -90,6 +107,7 @@ def test_another_graph_misses_and_a_damaged_file_is_ignored(tmp_path: Path) -> N
     damaged = _run(tmp_path, scale=2.0)
     _assert_matches_cpu(damaged)
     assert damaged["stats"].get("hits", 0) == 0 and damaged["stats"].get("misses", 0) >= 2
+    assert damaged["stats"].get("executable_hits", 0) == 0 and damaged["stats"].get("executable_misses", 0) == 1
 
 
 def test_the_key_covers_the_environment_and_the_matmul_precision(monkeypatch: pytest.MonkeyPatch) -> None:

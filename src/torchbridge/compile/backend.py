@@ -706,6 +706,20 @@ class _Executable:
             program_cache.store(name, exported)
         return jax.jit(exported.call, donate_argnums=donate, keep_unused=True)
 
+    def _compiled(self, fn: Any, args: tuple, variant: Any, donate: tuple[int, ...], judge: Any) -> Any:
+        """`fn` compiled for `args` (arrays) and judged (`judge`: the program, or None where running it does
+        not pay); where the graph is cached, the judged program is kept compiled for the next process."""
+        name = None
+        if self.cached is not None:
+            name = program_cache.compiled_key(program_cache.key(*self.cached, variant), args)
+            found, program = program_cache.load_compiled(name)
+            if found:
+                return program
+        program = judge(self._jit(fn, args, variant, donate).lower(*args).compile())
+        if name is not None:
+            program_cache.store_compiled(name, program)
+        return program
+
     def _remember(self, args: tuple) -> None:
         if self._avals is None:
             self._avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
@@ -729,10 +743,10 @@ class _Executable:
         None where XLA would copy a quarter or more of their bytes."""
         if keys not in self._recycling:
             raw = self.raw
-            jitted = self._jit(lambda _spares, *args: raw(*args), (tuple(spares), *call), ("recycling", keys), (0,))
-            compiled = jitted.lower(tuple(spares), *call).compile()
-            self._recycling[keys] = donation.unless_copying(compiled, sum(b.nbytes for b in spares),
-                                                            lambda: self.copied_bytes(call))
+            self._recycling[keys] = self._compiled(
+                lambda _spares, *args: raw(*args), (tuple(spares), *call), ("recycling", keys), (0,),
+                lambda compiled: donation.unless_copying(compiled, sum(b.nbytes for b in spares),
+                                                         lambda: self.copied_bytes(call)))
         return self._recycling[keys]
 
     def recycling_keys(self, available: tuple) -> tuple:
@@ -758,13 +772,13 @@ class _Executable:
             at = set(positions)
             token = _DONATED.set(frozenset(i for i, k in slot.items() if k in at))  # read while tracing
             try:
-                jitted = self._jit(donation.split_donated(self.raw, positions), args, ("donating", positions), (0,))
-                compiled = jitted.lower(*args).compile()
+                self._donating[positions] = self._compiled(
+                    donation.split_donated(self.raw, positions), args, ("donating", positions), (0,),
+                    lambda compiled: donation.unless_copying(
+                        compiled, sum(b.nbytes for b in args[0]),
+                        lambda: self.copied_bytes((donation.merged(positions, *args[:2]), *args[2:]))))
             finally:
                 _DONATED.reset(token)
-            self._donating[positions] = donation.unless_copying(
-                compiled, sum(b.nbytes for b in args[0]),
-                lambda: self.copied_bytes((donation.merged(positions, *args[:2]), *args[2:])))
         return self._donating[positions]
 
 

@@ -9,6 +9,11 @@ shape, stride and dtype), the call's input layout, the program's variant (which 
 and the environment (torchbridge's sources, the torch, JAX and jaxlib versions, the platform, XLA_FLAGS
 and the TORCHBRIDGE_* switches). A key that changes only misses; nothing stale is ever loaded.
 
+A donating program (the engine's step writing its KV cache, an optimizer step) is also kept compiled
+(`load_compiled`/`store_compiled`: JAX's executable serialization, for the devices it ran on), with the
+verdict on whether its donation pays: loading it skips lowering the StableHLO, XLA's cache lookup (which
+hashes the whole module) and the HLO read that judges the donation, ~0.16 -> ~0.07 s per engine bucket.
+
 It lives beside XLA's cache and follows its switches (TORCHBRIDGE_COMPILE_CACHE=0 turns both off,
 TORCHBRIDGE_COMPILE_CACHE_DIR moves both). A program that cannot be exported (collectives over a mesh)
 is traced as before.
@@ -20,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import pickle
 import sys
 from collections import Counter
 from pathlib import Path
@@ -29,7 +35,8 @@ import jax
 import torch
 
 log = logging.getLogger(__name__)
-stats: Counter[str] = Counter()  # hits, misses, stored, unexportable
+# hits, misses, stored, unexportable (traced programs); executable_hits, executable_misses, executables_stored
+stats: Counter[str] = Counter()
 SUBDIR = "torchbridge-programs"
 _SOURCE_SUFFIXES = (".py", ".cpp", ".cc", ".h")
 
@@ -85,14 +92,20 @@ def key(graph: str, call: Any, variant: Any) -> str:
     return hashlib.sha256(repr((environment(), settings, graph, call, variant)).encode()).hexdigest()
 
 
-def load(name: str) -> jax.export.Exported | None:
+def _read(name: str, misses: str) -> bytes | None:
     d = directory()
     if d is None:
         return None
     try:
-        blob = (d / name).read_bytes()
+        return (d / name).read_bytes()
     except OSError:
-        stats["misses"] += 1
+        stats[misses] += 1
+        return None
+
+
+def load(name: str) -> jax.export.Exported | None:
+    blob = _read(name, "misses")
+    if blob is None:
         return None
     try:
         exported = jax.export.deserialize(bytearray(blob))
@@ -105,17 +118,28 @@ def load(name: str) -> jax.export.Exported | None:
 
 
 def store(name: str, exported: jax.export.Exported) -> None:
+    try:
+        blob = exported.serialize()
+    except ImportError as e:  # jax.export serializes with flatbuffers
+        log.warning("torchbridge.compile: could not cache a program (%s)", e)
+        return
+    if _write(name, blob):
+        stats["stored"] += 1
+
+
+def _write(name: str, blob: bytes) -> bool:
     d = directory()
     if d is None:
-        return
+        return False
     try:
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(exported.serialize())
+        tmp.write_bytes(blob)
         os.replace(tmp, d / name)  # atomic: a reader in another process sees all of it or nothing
-        stats["stored"] += 1
-    except (OSError, ImportError) as e:  # ImportError: jax.export serializes with flatbuffers
+    except OSError as e:
         log.warning("torchbridge.compile: could not cache a program in %s (%s)", d, e)
+        return False
+    return True
 
 
 def export(fn: Any, args: tuple, custom_calls: tuple[str, ...]) -> jax.export.Exported | None:
@@ -128,3 +152,52 @@ def export(fn: Any, args: tuple, custom_calls: tuple[str, ...]) -> jax.export.Ex
         stats["unexportable"] += 1
         log.info("torchbridge.compile: program not cached (%s: %s)", type(e).__name__, e)
         return None
+
+
+def compiled_key(name: str, args: Any) -> str:
+    """The file name of `name`'s compiled program for `args` (an executable is built for its devices)."""
+    devices = sorted({d.id for x in jax.tree.leaves(args) if isinstance(x, jax.Array) for d in x.devices()})
+    return hashlib.sha256(repr((name, devices)).encode()).hexdigest() + ".x"
+
+
+def load_compiled(name: str) -> tuple[bool, Any]:
+    """(found, program): a kept compiled program (a jax.stages.Compiled), or None where it was judged not
+    worth running (its donation did not pay); (False, None) on a miss."""
+    from jax.experimental import serialize_executable
+
+    blob = _read(name, "executable_misses")
+    if blob is None:
+        return False, None
+    try:  # (a file of this user's own cache, as trusted as XLA's persistent cache beside it)
+        kept = pickle.loads(blob)
+        program = None
+        if kept is not None:
+            platform, ids, serialized = kept
+            by_id = {d.id: d for d in jax.devices(platform)}
+            program = serialize_executable.deserialize_and_load(
+                *serialized, backend=by_id[ids[0]].client, execution_devices=[by_id[i] for i in ids])
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file is a miss, never an error
+        log.warning("torchbridge.compile: ignoring unreadable cached executable %s (%s)", name, e)
+        stats["executable_misses"] += 1
+        return False, None
+    stats["executable_hits"] += 1
+    return True, program
+
+
+def store_compiled(name: str, program: Any) -> None:
+    """Keep `program` (a jax.stages.Compiled, or None: the verdict that it is not worth running)."""
+    from jax.experimental import serialize_executable
+
+    if directory() is None:
+        return
+    try:
+        kept = None
+        if program is not None:  # with the devices it runs on (by default JAX would load it for all of them)
+            devices = jax.tree.leaves(program.input_shardings)[0]._device_assignment
+            kept = (devices[0].platform, [d.id for d in devices], serialize_executable.serialize(program))
+        blob = pickle.dumps(kept)
+    except Exception as e:  # noqa: BLE001 - an executable that cannot be serialized is just not kept
+        log.info("torchbridge.compile: executable not cached (%s: %s)", type(e).__name__, e)
+        return
+    if _write(name, blob):
+        stats["executables_stored"] += 1
