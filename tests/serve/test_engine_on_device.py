@@ -89,3 +89,29 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHBRIDGE_SERVE_KERNELS", "flash")
     with pytest.raises(ValueError, match="unknown kernels"):
         enabled_kernels()
+
+
+def test_buckets_left_for_idle_time_warm_without_touching_requests(llama_dir: Path) -> None:
+    """`warmup(everything=False)` (serve's default) runs the first bucket of each kind and leaves the rest to
+    `warm_idle`. Here a warm step runs between every two steps of requests in flight (the engine loop only
+    warms when idle, this is the harder case): warm steps write the scratch block only, so the requests'
+    tokens still equal Hugging Face's, and afterwards every bucket is warm."""
+    llm = LLM(str(llama_dir), device=DEV, block_size=16, num_blocks=24, max_model_len=48, max_num_seqs=4,
+              max_num_batched_tokens=32, compile_model=True)
+    eng = llm.engine
+    shapes = eng.runner.bucket_shapes(4, 32)
+    assert eng.warmup(everything=False) == 2 < len(shapes)
+    assert len(eng.warmup_pending) == len(shapes) - 2
+    prompts = mixed_prompts(3, hi=24)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for u in eng.step():
+            tokens[u.request_id] += u.new_token_ids
+        eng.warm_idle()
+    assert [tokens[str(i)] for i in range(len(prompts))] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
+    while eng.warmup_pending:
+        eng.warm_idle()
+    assert len(eng.runner.shapes_warmed) == len(shapes)

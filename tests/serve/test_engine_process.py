@@ -72,6 +72,44 @@ def test_the_thread_mode_gives_the_same_answers(llama_dir: Path) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("process", [True, False], ids=["engine-process", "thread"])
+def test_buckets_left_for_idle_time_are_warmed_while_serving(llama_dir: Path, process: bool) -> None:
+    """`--warmup idle` (serve's default with shape buckets): healthy after the first bucket of each kind, the
+    rest warmed by the engine loop when idle (the /metrics gauge counts them down to 0); answers as HF's."""
+    from torchbridge.serve.async_engine import AsyncEngine
+    from torchbridge.serve.config import EngineConfig
+    from torchbridge.serve.engine import LLMEngine
+    from torchbridge.serve.engine_process import EngineProcess
+    from torchbridge.serve.server import create_app
+
+    config = EngineConfig(model=str(llama_dir), block_size=4, num_blocks=64, max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=32, shape_buckets=True, served_model_name="m")
+    if process:
+        engine = EngineProcess(config, "idle")
+    else:
+        eng = LLMEngine(config)
+        eng.warmup(everything=False)
+        engine = AsyncEngine(eng)
+    engine.start()
+    try:
+        with running_server(create_app(engine)) as url:
+            assert httpx.get(url + "/health").status_code == 200
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            r = client.completions.create(model="m", prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
+            assert r.choices[0].text == _hf_text(llama_dir, [5, 6, 7, 8], 6)
+            deadline, pending = time.monotonic() + 120, None
+            while time.monotonic() < deadline:
+                line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
+                            if x.startswith("torchbridge:warmup_pending_buckets{"))
+                pending = float(line.rsplit(" ", 1)[1])
+                if pending == 0:
+                    break
+                time.sleep(0.2)
+            assert pending == 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_dead_engine_process_fails_streams_and_refuses_new_requests(llama_dir: Path) -> None:
     from torchbridge.serve.config import EngineConfig
     from torchbridge.serve.engine_process import EngineProcess

@@ -182,6 +182,9 @@ class AsyncEngine(EngineClient):
             while not self._stop.is_set():
                 self._drain_commands()
                 if not eng.has_unfinished():
+                    if eng.warmup_pending:  # one shape bucket left to warm per idle pass
+                        eng.warm_idle()
+                        continue
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

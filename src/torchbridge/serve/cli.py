@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+WARMUP_MODES = ("idle", "all", "off")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchbridge serve", description="OpenAI-compatible LLM server on any torch device.")
@@ -39,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
     p.add_argument("--compile", dest="compile_model", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each shape bucket's whole step as one graph (default: on for the bridge's device)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every shape bucket once at start-up (default: with --shape-buckets)")
+    p.add_argument("--warmup", choices=WARMUP_MODES, default=None,
+                   help="run the shape buckets once before serving: 'idle' (default with --shape-buckets) the "
+                        "first of each kind before the server is healthy and the rest while the engine is idle, "
+                        "'all' every one before it is healthy, 'off' none")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="off", help="--warmup off")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
                    help="larger request bodies are refused with 413 before they are read (default 16 MiB)")
@@ -84,7 +89,7 @@ def main(argv: list[str]) -> int:
             launched[1].close()
         print(f"torchbridge serve: {e}", file=sys.stderr)
         return 2
-    warmup = bool(args.warmup if args.warmup is not None else config.shape_buckets)
+    warmup = args.warmup or ("idle" if config.shape_buckets else "off")
     try:
         async_engine = _start_engine(config, warmup, launched)
     except RuntimeError as e:  # the engine process could not load the model: say why, no traceback
@@ -106,7 +111,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _start_engine(config, warmup: bool, launched):  # noqa: ANN001, ANN202 - EngineConfig -> EngineClient
+def _start_engine(config, warmup: str, launched):  # noqa: ANN001, ANN202 - EngineConfig -> EngineClient
     if launched is not None:  # the engine in its own process, started already
         from torchbridge.serve.engine_process import EngineProcess
 
@@ -125,8 +130,8 @@ def _start_engine(config, warmup: bool, launched):  # noqa: ANN001, ANN202 - Eng
     from torchbridge.serve.engine import LLMEngine
 
     engine = LLMEngine(config)
-    if warmup:
-        engine.warmup()
+    if warmup != "off":
+        engine.warmup(everything=warmup == "all")
     client = AsyncEngine(engine)
     client.start()
     return client

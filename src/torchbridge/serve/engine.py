@@ -90,6 +90,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._grammars = None  # structured_output.GrammarCompiler, made with the first constrained request
+        self.warmup_pending: list[tuple[str, int, int]] = []  # buckets warm_idle() still has to run
         # Characters a prompt of max_model_len tokens can have at most, so that a longer text is refused
         # without tokenizing it (tokenizing megabytes takes seconds and gigabytes).
         self.max_prompt_chars = (
@@ -434,11 +435,34 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.observe_finished(req)
 
-    def warmup(self) -> int:
-        """Run every shape bucket the configured limits allow once (see ModelRunner.warmup); the count."""
-        n = self.runner.warmup(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        log.info("warmed up %d shape buckets", n)
-        return n
+    def warmup(self, everything: bool = True) -> int:
+        """Run the shape buckets the configured limits allow once (ModelRunner.bucket_shapes); the count run.
+        `everything=False`: only the smallest bucket of each kind (decode, prefill), which carries the
+        kind's one trace (seconds each; a bucket after it costs a compile, ~0.07 s with a warm program
+        cache), and the rest left for idle time (`warm_idle`): a server is healthy that much sooner."""
+        shapes = self.runner.bucket_shapes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        first = shapes if everything else [next(s for s in shapes if s[0] == kind)
+                                           for kind in dict.fromkeys(s[0] for s in shapes)]
+        self.runner.warm(first)
+        self.warmup_pending = [s for s in shapes if s not in first]
+        log.info("warmed up %d shape buckets%s", len(first),
+                 f"; {len(self.warmup_pending)} more while idle" if self.warmup_pending else "")
+        return len(first)
+
+    def warm_idle(self) -> None:
+        """Warm one bucket left by `warmup(everything=False)`; call when no request is in flight. A failure
+        is logged and ends the background warm-up (the bucket then compiles when a step needs it)."""
+        if not self.warmup_pending:
+            return
+        shape = self.warmup_pending.pop(0)
+        try:
+            self.runner.warm([shape], progress=False)
+        except Exception:
+            log.exception("warming shape bucket %s failed; the rest compile when first used", shape)
+            self.warmup_pending.clear()
+            return
+        if not self.warmup_pending:
+            log.info("warmed up every shape bucket")
 
     def kv_events_since(self, since: int, limit: int) -> dict | None:
         """KV-cache events from id `since` (KVEventLog.since), or None when they are off."""

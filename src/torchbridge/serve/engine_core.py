@@ -2,7 +2,7 @@
 by the server's `engine_process.EngineProcess` over one socket pair with multiprocessing's pickled
 messages:
 
-  server -> engine   (config, warmup, log level) once, then
+  server -> engine   (config, warm-up mode, log level) once, then
                      ("add", request id, prompt, params, ...)  ("abort", id)  ("call", n, what, args)  ("stop",)
   engine -> server   ("ready", None) or ("failed", why) once, then
                      ("step", [updates])  ("added", id, None | ("invalid", message, param) | ("error", why))
@@ -104,8 +104,8 @@ def main(fd: int) -> None:
     logging.basicConfig(level=log_level)
     try:
         engine = LLMEngine(config)
-        if warmup:
-            engine.warmup()
+        if warmup != "off":
+            engine.warmup(everything=warmup == "all")
         metrics = Metrics(engine, config.api_model_name)
     except Exception as e:  # noqa: BLE001 - reported to the server, which refuses to start
         log.exception("the engine failed to start")
@@ -139,8 +139,9 @@ class EngineCore:
         eng = self.engine
         while not self.stopping:
             busy = eng.has_unfinished()
-            # Idle: block on the pipe (briefly while grammars compile, so that their requests start soon).
-            timeout = 0.0 if busy else (0.005 if self.compiling else 1.0)
+            # Idle: block on the pipe (briefly while grammars compile, so that their requests start soon;
+            # not at all while shape buckets are left to warm, one per pass).
+            timeout = 0.0 if busy or eng.warmup_pending else (0.005 if self.compiling else 1.0)
             try:
                 if self.conn.poll(timeout):
                     while True:
@@ -151,7 +152,10 @@ class EngineCore:
                 return  # the server is gone
             self.take_compiled()
             self.report_failure()
-            if self.stopping or not eng.has_unfinished():
+            if self.stopping:
+                continue
+            if not eng.has_unfinished():
+                eng.warm_idle()
                 continue
             updates = step_or_fail_all(eng)
             if updates:

@@ -34,7 +34,7 @@ class EngineProcess(EngineClient):
     """The server's handle on an engine running in a child process. `start()` returns once the engine
     is loaded (and warmed up, if asked): a model that cannot load raises here, not at the first request."""
 
-    def __init__(self, config: EngineConfig, warmup: bool = False) -> None:
+    def __init__(self, config: EngineConfig, warmup: str = "off") -> None:
         super().__init__()
         self.config = config
         self.warmup = warmup

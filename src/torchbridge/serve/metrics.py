@@ -46,6 +46,9 @@ class _EngineCollector:
                       eng.scheduler.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", eng.stats.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", eng.stats.generation_tokens)
+        # ours (vLLM captures every graph before it serves): shape buckets still to compile while idle
+        yield gauge("torchbridge:warmup_pending_buckets", "Shape buckets left to warm up while the engine is idle.",
+                    len(eng.warmup_pending))
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "KV-cache configuration.",
             labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],

@@ -66,6 +66,7 @@ class PlannedSeq:
 
 
 StepPlan = list[PlannedSeq]
+Shape = tuple[str, int, int]  # a warm-up bucket: ("decode", batch, blocks) or ("prefill", tokens, blocks)
 
 
 def plan(batch: Batch, block_size: int) -> StepPlan:
@@ -415,12 +416,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
-    @torch.inference_mode()
-    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool = True) -> int:
-        """Run every decode bucket (batch x blocks) and every single-sequence prefill bucket once, so
-        that a compiling backend has traced them before the first request. Returns the shape count."""
-        if self.workers is not None:
-            self.workers.send("warmup", max_num_seqs, max_num_batched_tokens, False)
+    def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[Shape]:
+        """Every decode bucket (batch x blocks) and every single-sequence prefill bucket (tokens x blocks)
+        the limits allow, smallest first."""
         bs = self.block_size
         batches = [x for x in (2**i for i in range(20)) if MIN_BUCKET <= x <= _bucket(max_num_seqs, MIN_BUCKET)]
         most = _bucket(self.max_blocks_per_seq)
@@ -428,6 +426,22 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
+        return sorted(shapes, key=lambda s: s[1] * s[2])
+
+    @torch.inference_mode()
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool = True) -> int:
+        """Run every bucket of `bucket_shapes` once, so that a compiling backend has traced them before
+        the first request. Returns the shape count."""
+        shapes = self.bucket_shapes(max_num_seqs, max_num_batched_tokens)
+        self.warm(shapes, progress)
+        return len(shapes)
+
+    @torch.inference_mode()
+    def warm(self, shapes: list[Shape], progress: bool = True) -> None:
+        """Run one padded step of each of `shapes` (on every tensor-parallel rank): its K/V goes to the
+        scratch block, so requests in flight are not touched."""
+        if self.workers is not None:
+            self.workers.send("warm", shapes, False)
         if self.config.compile_model:
             # Each bucket is a new shape by design: the compile backend's recompile warnings would only be noise.
             from torchbridge.compile import recompiles_expected
@@ -436,9 +450,8 @@ class ModelRunner:
                 self._warm(shapes, progress)
         else:
             self._warm(shapes, progress)
-        return len(shapes)
 
-    def _warm(self, shapes: list[tuple[str, int, int]], progress: bool) -> None:
+    def _warm(self, shapes: list[Shape], progress: bool) -> None:
         from tqdm import tqdm
 
         bs = self.block_size
