@@ -71,6 +71,9 @@ def start_once(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[flo
             r = httpx.post(base + "/v1/completions", timeout=120,
                            json={"model": "bench", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
             r.raise_for_status()
+            choice = r.json()["choices"][0]
+            if choice.get("finish_reason") != "length":  # four tokens, or the start served nothing
+                raise RuntimeError(f"the started server did not complete: {choice}")
             return seconds, warm
         finally:
             os.killpg(proc.pid, 9)

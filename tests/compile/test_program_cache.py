@@ -20,6 +20,9 @@ import torchbridge
 from torchbridge.compile import program_cache
 
 scale, device = float(sys.argv[1]), sys.argv[2]
+if sys.argv[3] == "traces-only":  # the compiled layer off: XLA's own persistent cache fills, ours keeps traces
+    program_cache.load_compiled = lambda name: (False, None)
+    program_cache.store_compiled = lambda name, program: None
 
 def write(cache, idx, rows):
     cache.index_copy_(0, idx, rows * scale)
@@ -47,12 +50,12 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def _run(cache_dir: Path, scale: float = 2.0, device: str = "tpu") -> dict:
+def _run(cache_dir: Path, scale: float = 2.0, device: str = "tpu", layers: str = "all", **env_vars: str) -> dict:
     # the host-GEMM choice pinned: unset, each process measures it (host_calls.gemm_probe), and on a busy
     # machine two processes may choose differently, which is a different program (a miss, rightly)
-    env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(cache_dir), "TORCHBRIDGE_HOST_GEMM": "1"}
+    env = {**os.environ, "TORCHBRIDGE_COMPILE_CACHE_DIR": str(cache_dir), "TORCHBRIDGE_HOST_GEMM": "1", **env_vars}
     env.pop("TORCHBRIDGE_COMPILE_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", JOB, str(scale), device], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", JOB, str(scale), device, layers], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
@@ -82,6 +85,20 @@ def test_a_second_process_loads_the_programs_and_matches_cpu(tmp_path: Path) -> 
     assert second["stats"].get("stored", 0) == 0 and second["stats"].get("executables_stored", 0) == 0
     assert second["write"] == first["write"] and second["read"] == first["read"]
     assert second["written"] == first["written"]
+
+
+def test_only_executables_xla_compiled_in_the_process_are_kept(tmp_path: Path) -> None:
+    """An XLA:CPU executable loaded from XLA's persistent cache re-serializes without some of its functions
+    (the next process failed running it); such a program is not kept, and the next process still runs
+    right, recompiling nothing XLA's cache has."""
+    every = {"TORCHBRIDGE_COMPILE_CACHE_MIN_SECS": "0"}  # XLA's cache keeps even these small programs
+    _run(tmp_path, layers="traces-only", **every)  # XLA's cache has the programs, ours none compiled
+    second = _run(tmp_path, **every)
+    _assert_matches_cpu(second)
+    assert second["stats"].get("executables_stored", 0) == 0, second["stats"]
+    third = _run(tmp_path, **every)
+    _assert_matches_cpu(third)
+    assert third["stats"].get("executable_hits", 0) == 0, third["stats"]
 
 
 def test_a_program_compiled_for_one_chip_is_not_loaded_for_another(tmp_path: Path) -> None:

@@ -715,8 +715,9 @@ class _Executable:
             found, program = program_cache.load_compiled(name)
             if found:
                 return program
-        program = judge(self._jit(fn, args, variant, donate).lower(*args).compile())
-        if name is not None:
+        compiled, fresh = program_cache.compile(self._jit(fn, args, variant, donate).lower(*args))
+        program = judge(compiled)
+        if name is not None and (fresh or program is None):  # (a verdict alone is always safe to keep)
             program_cache.store_compiled(name, program)
         return program
 

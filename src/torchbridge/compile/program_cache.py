@@ -13,6 +13,9 @@ A donating program (the engine's step writing its KV cache, an optimizer step) i
 (`load_compiled`/`store_compiled`: JAX's executable serialization, for the devices it ran on), with the
 verdict on whether its donation pays: loading it skips lowering the StableHLO, XLA's cache lookup (which
 hashes the whole module) and the HLO read that judges the donation, ~0.16 -> ~0.07 s per engine bucket.
+Only an executable XLA compiled in this process is kept (`compile`): one XLA:CPU loaded from its own
+persistent cache serializes without some of its functions ("Function convert_bitcast_fusion.15 not
+found" when the next process ran it; tests/compile/test_program_cache.py).
 
 It lives beside XLA's cache and follows its switches (TORCHBRIDGE_COMPILE_CACHE=0 turns both off,
 TORCHBRIDGE_COMPILE_CACHE_DIR moves both). A program that cannot be exported (collectives over a mesh)
@@ -185,7 +188,8 @@ def load_compiled(name: str) -> tuple[bool, Any]:
 
 
 def store_compiled(name: str, program: Any) -> None:
-    """Keep `program` (a jax.stages.Compiled, or None: the verdict that it is not worth running)."""
+    """Keep `program` (a jax.stages.Compiled that `compile` compiled here, or None: the verdict that it is
+    not worth running)."""
     from jax.experimental import serialize_executable
 
     if directory() is None:
@@ -201,3 +205,25 @@ def store_compiled(name: str, program: Any) -> None:
         return
     if _write(name, blob):
         stats["executables_stored"] += 1
+
+
+_xla_cache_hits = 0  # programs XLA's persistent cache has answered in this process
+_listening = False
+
+
+def _count_xla_cache_hit(event: str, **kwargs: Any) -> None:
+    global _xla_cache_hits
+    if event == "/jax/compilation_cache/cache_hits":
+        _xla_cache_hits += 1
+
+
+def compile(lowered: Any) -> tuple[Any, bool]:  # noqa: A001 - the module's verb, as jax's Lowered.compile
+    """`lowered.compile()`, and whether XLA compiled it here (False: loaded from XLA's persistent cache, or
+    another thread's was meanwhile; such an executable is not kept, see the module's docstring)."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_listener(_count_xla_cache_hit)
+        _listening = True
+    before = _xla_cache_hits
+    compiled = lowered.compile()
+    return compiled, _xla_cache_hits == before
