@@ -156,3 +156,58 @@ def test_in_fused_eager_mode(case: Case):
         _close(got, [o * 3 for o in _flat(case.torch_ref(*inputs))], torch.float32)
     finally:
         torchbridge.set_eager_mode(previous)
+
+
+def test_paged_attention_on_the_cpu_platform_runs_the_engines_decode_kernel(monkeypatch: pytest.MonkeyPatch):
+    """With the serving engine's CPU kernels loaded (the engine loads them on this device), "auto" paged
+    attention on JAX's CPU platform is the engine's C++ decode kernel as a custom call (it reads blocks in
+    place): same results as PyTorch in fp32 and bf16 (a bf16 cache reaches it as its bits), eager and
+    compiled, and gradients (the reference's) as PyTorch autograd's."""
+    from torchbridge.device import host_calls
+    from torchbridge.device.runtime import STATE
+    from torchbridge.serve import cpu_kernels
+
+    if STATE.platform != "cpu":
+        pytest.skip(f"the custom call exists on JAX's CPU platform only (this device runs on {STATE.platform})")
+    if (why := cpu_kernels.available()) is not None:
+        pytest.skip(f"the engine's CPU kernels do not build here: {why}")
+    calls = []
+    real = host_calls.paged_decode
+    monkeypatch.setattr(host_calls, "paged_decode", lambda *a, **k: calls.append(str(a[0].dtype)) or real(*a, **k))
+
+    def inputs(dtype: torch.dtype) -> tuple:  # 5 rows (no other test's shapes: a new trace), partial blocks
+        tables = torch.tensor([[1, 5, 2], [3, 0, 6], [6, 6, 6], [4, 2, 0], [5, 5, 1]], dtype=torch.int32)
+        lens = torch.tensor([19, 9, 0, 24, 1], dtype=torch.int32)
+        return (_g(5, 4, 32, dtype=dtype), _g(7, 8, 2, 32, dtype=dtype), _g(7, 8, 2, 32, dtype=dtype), tables, lens)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(4)
+        cpu = inputs(dtype)
+        want = _paged_torch(*cpu, 0.2)
+        dev = [t.to(DEV) for t in cpu]
+        _close(paged_attention.paged_attention(*dev, 0.2), want, dtype)
+        got = torch.compile(lambda *a: paged_attention.paged_attention(*a, 0.2) + 1, backend=DEV)(*dev)
+        _close(got, want.float() + 1, dtype)
+    assert set(calls) >= {"float32", "bfloat16"}, calls
+    torch.manual_seed(5)
+    cpu = inputs(torch.float32)
+    weights = torch.randn(5, 4, 32)
+
+    def grads(fn: Callable, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() if i < 3 else t for i, t in enumerate(tensors)]
+        (fn(*leaves) * weights.to(leaves[0].device)).sum().backward()
+        return [leaf.grad.cpu() for leaf in leaves[:3]]
+
+    got = grads(lambda *a: paged_attention.paged_attention(*a, 0.2), [t.to(DEV) for t in cpu])
+    for g, w in zip(got, grads(lambda *a: _paged_torch(*a, 0.2), list(cpu)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    # JAX differentiating the custom call itself (a JAX user of the kernel's function): the reference's gradients
+    import jax
+    import numpy as np
+
+    arrays = [jax.device_put(t.numpy(), STATE.jax_device(0)) for t in cpu]
+    w = jax.device_put(weights.numpy(), STATE.jax_device(0))
+    for f in (paged_attention.paged_attention_host, paged_attention.paged_attention_reference):
+        g = jax.grad(lambda q, k, v, f=f: (f(q, k, v, arrays[3], arrays[4], 0.2) * w).sum(), argnums=(0, 1, 2))(*arrays[:3])
+        for a, b in zip(g, got, strict=True):
+            np.testing.assert_allclose(np.asarray(a), b.numpy(), rtol=1e-4, atol=1e-5)

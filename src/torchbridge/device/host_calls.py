@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from torchbridge.device.runtime import STATE
 
@@ -43,7 +44,9 @@ _ATTENTION = "torchbridge_attention"
 _ATTENTION_BACKWARD = "torchbridge_attention_backward"
 _ADAM = "torchbridge_adam_step"
 _ADAGRAD = "torchbridge_adagrad_step"
-TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD)  # every custom call we register
+_PAGED_DECODE = "torchbridge_paged_decode"
+# every custom call we register
+TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD, _PAGED_DECODE)
 # Parameters from this many elements get the one-pass Adam update; a bias or a norm's weight is
 # cheaper as XLA's own loops than as one more custom call.
 ADAM_MIN_ELEMENTS = 1 << 14
@@ -86,6 +89,7 @@ def register(native_module: Any) -> None:
         jax.ffi.register_ffi_target(_ATTENTION_BACKWARD, native_module.attention_backward_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_ADAM, native_module.adam_step_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_ADAGRAD, native_module.adagrad_step_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_PAGED_DECODE, native_module.paged_decode_capsule(), platform="cpu")
         _registered = True
 
 
@@ -110,9 +114,36 @@ def gemm_enabled() -> bool:
     return gemm_probe()["host_gemm"]
 
 
-def switches() -> tuple[bool, bool]:
+def switches() -> tuple[bool, bool, bool]:
     """What a traced program's choice of kernels depends on (compiled graphs key executables on it)."""
-    return enabled(), gemm_enabled()
+    return enabled(), gemm_enabled(), paged_decode_enabled()
+
+
+_PAGED_DECODE_OP = "torchbridge_serve::paged_decode_attention"
+_paged_decode_loaded = False
+
+
+def paged_decode_enabled() -> bool:
+    """Whether decode attention over a paged cache goes to the serving engine's CPU kernel (`paged_decode`):
+    host kernels on, and that kernel's library loaded into this process (the engine loads it when it runs
+    on this device over the CPU platform; the device never imports the engine)."""
+    global _paged_decode_loaded
+    if not enabled():
+        return False
+    if not _paged_decode_loaded:  # (once loaded, a library stays: asked of the dispatcher until then)
+        try:
+            _paged_decode_loaded = torch._C._dispatch_has_kernel_for_dispatch_key(_PAGED_DECODE_OP, "CPU")
+        except RuntimeError:  # no such operator: the library is not loaded
+            return False
+    return _paged_decode_loaded
+
+
+def paged_decode(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any, scale: float) -> Any:
+    """The engine's paged decode attention (serve/csrc/paged_attention.cpp) as a custom call: q [R,H,D];
+    caches [num_blocks, block_size, KVH, D] in q's dtype or as its 16-bit bits; block tables [R, max_blocks]
+    and context lengths [R] (int32/int64). Each row reads its blocks in place, up to its own length."""
+    return jax.ffi.ffi_call(_PAGED_DECODE, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, k_cache, v_cache, block_tables, context_lens, scale=float(scale))
 
 
 @functools.cache

@@ -16,11 +16,14 @@ rms_norm.py; the jnp reference gathers the blocks and runs a masked softmax.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torchbridge.device import host_calls
 from torchbridge.device.lowerings.moves import as_bits, from_bits
 from torchbridge.kernels import tiling
 from torchbridge.kernels.kernel import kernel
@@ -107,10 +110,43 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     )(block_tables.astype(jnp.int32), context_lens.astype(jnp.int32).reshape(b, 1), q, k_cache, v_cache)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def paged_attention_host(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                         context_lens: jax.Array, scale: float) -> jax.Array:
+    """On JAX's CPU platform: the serving engine's C++ decode kernel as a custom call (host_calls.paged_decode),
+    which reads each row's blocks in place where the reference gathers every row's padded context (and
+    XLA:CPU converts it to float32). Gradients are the reference's."""
+    return host_calls.paged_decode(q, as_bits(k_cache), as_bits(v_cache), block_tables, context_lens, scale)
+
+
+def _host_forward(q, k_cache, v_cache, block_tables, context_lens, scale):  # noqa: ANN001, ANN202 - custom_vjp's
+    return paged_attention_host(q, k_cache, v_cache, block_tables, context_lens, scale), (q, k_cache, v_cache,
+                                                                                          block_tables, context_lens)
+
+
+def _host_backward(scale, saved, grad):  # noqa: ANN001, ANN202 - custom_vjp's
+    q, k_cache, v_cache, block_tables, context_lens = saved
+    _, vjp = jax.vjp(lambda a, b, c: paged_attention_reference(a, b, c, block_tables, context_lens, scale),
+                     q, k_cache, v_cache)
+    return (*vjp(grad), None, None)
+
+
+paged_attention_host.defvjp(_host_forward, _host_backward)
+
+
+def _reference_or_host(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                       context_lens: jax.Array, scale: float) -> jax.Array:
+    """Off TPU: the engine's kernel where the program is for the CPU platform and it is loaded, else the
+    reference."""
+    if tiling.platform() == "cpu" and host_calls.paged_decode_enabled():
+        return paged_attention_host(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 @kernel("torchbridge::paged_attention", static_argnames=("scale", "impl"),
         reference=lambda q, kc, vc, bt, cl, scale, impl: paged_attention_reference(q, kc, vc, bt, cl, scale))
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     context_lens: jax.Array, scale: float, impl: str = "auto") -> jax.Array:
     """Decode attention of q [B, H, D] over each sequence's cached blocks; returns [B, H, D]."""
-    return tiling.choose(impl, paged_attention_pallas, paged_attention_reference, q, k_cache, v_cache, block_tables,
+    return tiling.choose(impl, paged_attention_pallas, _reference_or_host, q, k_cache, v_cache, block_tables,
                          context_lens, scale=scale)

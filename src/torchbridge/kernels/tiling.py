@@ -31,6 +31,11 @@ def tracing_for(platform: str | None) -> Iterator[None]:
         _PLATFORM.reset(token)
 
 
+def platform() -> str | None:
+    """The platform the program being traced is for (see tracing_for); None when not known."""
+    return _PLATFORM.get()
+
+
 def row_block(rows: int, width: int, dtype: Any) -> int:
     """Rows per block for a kernel that takes whole rows: a multiple of 8 (a TPU sublane tile) near
     _BLOCK_BYTES, or all rows when there are fewer than 8. A last partial block is allowed: Pallas

@@ -176,6 +176,20 @@ def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _load_kernels_for_device(device: torch.device) -> None:
+    """On the bridge's device over JAX's CPU platform, load the engine's CPU kernels: the device's paged
+    attention kernel then runs the C++ decode kernel inside the compiled step instead of gathering every
+    row's context (kernels/paged_attention.py). Where they do not build, the device keeps its own."""
+    if device.type in ("cpu", "cuda", "meta"):
+        return
+    from torchbridge.device.runtime import STATE
+
+    if device.type == STATE.name and STATE.platform == "cpu":
+        from torchbridge.serve import cpu_kernels
+
+        cpu_kernels.available()
+
+
 def _cpu_kernels_build() -> bool:
     from torchbridge.serve import cpu_kernels
 
@@ -215,6 +229,7 @@ class ModelRunner:
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
         amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
+        _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
@@ -314,6 +316,56 @@ ffi::Error adagrad_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer s, ff
   return ffi::Error::Success();
 }
 
+// Paged decode attention: the serving engine's own CPU kernel (serve/csrc/paged_attention.cpp, registered
+// with PyTorch as torchbridge_serve::paged_decode_attention) on XLA buffers, called through PyTorch's
+// dispatcher, so the engine on the device reads each row's keys and values from the paged cache in place
+// as the engine on the CPU does; written in JAX, XLA:CPU gathered every row's context to a padded copy and
+// converted it to float32 (a b=32 bf16 decode step of the bundled model spent most of its program there).
+// q [R,H,D] and out in float32/bfloat16/float16; the caches in that dtype or as its bits (uint16: the
+// device moves 16-bit floats as bits on this platform); block tables [R,max_blocks] and context lengths
+// [R] as int32 or int64 (the kernel's int64 copies are R x max_blocks: small).
+bool float_type(ffi::DataType t, at::ScalarType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = at::kFloat; return true;
+    case ffi::DataType::BF16: *out = at::kBFloat16; return true;
+    case ffi::DataType::F16: *out = at::kHalf; return true;
+    default: return false;
+  }
+}
+
+bool index_type(ffi::DataType t, at::ScalarType* out) {
+  switch (t) {
+    case ffi::DataType::S32: *out = at::kInt; return true;
+    case ffi::DataType::S64: *out = at::kLong; return true;
+    default: return false;
+  }
+}
+
+ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer tables,
+                        ffi::AnyBuffer lens, ffi::Result<ffi::AnyBuffer> out, double scale) {
+  at::ScalarType st, tt, lt;
+  const auto cache_ok = [&](ffi::AnyBuffer c) {
+    return c.element_type() == q.element_type() || (c.element_type() == ffi::DataType::U16 && st != at::kFloat);
+  };
+  if (!float_type(q.element_type(), &st) || out->element_type() != q.element_type() || !cache_ok(k_cache) ||
+      !cache_ok(v_cache) || !index_type(tables.element_type(), &tt) || !index_type(lens.element_type(), &lt)) {
+    return ffi::Error::InvalidArgument(
+        "torchbridge paged decode: q, out and the caches float32/bfloat16/float16 (caches may be their uint16 "
+        "bits), block tables and context lengths int32/int64");
+  }
+  c10::InferenceMode guard;
+  try {  // (the op is found once; the engine's kernel library is loaded before any program calls it)
+    static const c10::OperatorHandle& op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::paged_decode_attention", "");
+    torch::jit::Stack stack{wrap(*out, st), wrap(q, st), wrap(k_cache, st), wrap(v_cache, st),
+                            wrap(tables, tt).to(at::kLong), wrap(lens, lt).to(at::kLong), scale, int64_t{0}};
+    op.callBoxed(&stack);
+  } catch (const std::exception& e) {  // a bad table or length, no kernel: its message, not a crash
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdamStep, adam_step,
@@ -374,9 +426,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeHostGemm, host_gemm,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeFence, fence, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePagedDecode, paged_decode,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("scale"));
+
 void* torchbridge_host_gemm_handler() { return reinterpret_cast<void*>(&TorchbridgeHostGemm); }
 void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeFence); }
 void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
 void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
 void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
 void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }
+void* torchbridge_paged_decode_handler() { return reinterpret_cast<void*>(&TorchbridgePagedDecode); }
