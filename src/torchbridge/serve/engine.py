@@ -437,10 +437,9 @@ class LLMEngine:
 
     def warmup(self, everything: bool = True) -> int:
         """Run the shape buckets the configured limits allow once (ModelRunner.bucket_shapes); the count run.
-        `everything=False`: only the smallest bucket of each kind (decode, prefill, mixed), which carries the
-        kind's one trace (~5 s each; a bucket after it costs a compile, ~0.1 s with a warm program cache),
-        and the rest left for idle time (`warm_idle`): a server is healthy that much sooner, and no step
-        after it traces."""
+        `everything=False`: only the smallest bucket of each kind (decode, prefill), which carries the
+        kind's one trace (seconds each; a bucket after it costs a compile, ~0.07 s with a warm program
+        cache), and the rest left for idle time (`warm_idle`): a server is healthy that much sooner."""
         shapes = self.runner.bucket_shapes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         first = shapes if everything else [next(s for s in shapes if s[0] == kind)
                                            for kind in dict.fromkeys(s[0] for s in shapes)]

@@ -47,12 +47,10 @@ def _bucket(n: int, smallest: int = 1) -> int:
     return b
 
 
-# The smallest bucket of an attention group's batch (decodes, prefill chunks), of a block table and of the
-# rows sampled. Dynamo specialises a size of 1 (a new graph, ~5 s of start-up each: decode of one sequence
-# or of one block, a prefill of one sequence or of several, alone or beside decodes, were each a structure
-# of its own; three remain: decode, prefill, mixed). A padding row or block costs little (a memory-bound
-# decode step reads the same weights for 2 rows as for 1; vLLM's TPU runner pads to 8 rows; a prefill
-# chunk's padding row attends to one key).
+# The smallest bucket of a decode batch, of a block table and of the rows sampled. Dynamo specialises a
+# size of 1 (a new graph, ~5 s of start-up each: decode of one sequence or of one block, each alone and
+# together, was four structures where two remain); one padding row or block costs next to nothing (a
+# memory-bound decode step reads the same weights for 2 rows as for 1; vLLM's TPU runner pads to 8 rows).
 MIN_BUCKET = 2
 
 
@@ -313,7 +311,8 @@ class ModelRunner:
         mb = max(len(tb) for *_, tb in members)
         out_len = sum(q for _, q, _, _ in members)
         if pad:
-            b, t, out_len = _bucket(b, MIN_BUCKET), _bucket(t), _bucket(out_len, 16)
+            # (a prefill group of one sequence, the usual chunked prefill, keeps its one row)
+            b, t, out_len = _bucket(b, MIN_BUCKET if t == 1 else 1), _bucket(t), _bucket(out_len, 16)
             mb = min(_bucket(mb, MIN_BUCKET), _bucket(self.max_blocks_per_seq))
         query_index = [[0] * t for _ in range(b)]
         q_pos = [[0] * t for _ in range(b)]
@@ -434,7 +433,7 @@ class ModelRunner:
 
     def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[Shape]:
         """Every decode bucket (batch x blocks) and every single-sequence prefill bucket (tokens x blocks)
-        the limits allow, and the smallest mixed step (decodes and a prefill chunk), smallest first."""
+        the limits allow, smallest first."""
         bs = self.block_size
         batches = [x for x in (2**i for i in range(20)) if MIN_BUCKET <= x <= _bucket(max_num_seqs, MIN_BUCKET)]
         most = _bucket(self.max_blocks_per_seq)
@@ -442,9 +441,6 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
-        # one step of decodes beside a prefill chunk: the third step structure (its trace); its other
-        # sizes compile from that trace when first met (~0.1 s each with a warm program cache)
-        shapes.append(("mixed", MIN_BUCKET, blocks[0]))
         return sorted(shapes, key=lambda s: s[1] * s[2])
 
     @torch.inference_mode()
@@ -473,16 +469,19 @@ class ModelRunner:
     def _warm(self, shapes: list[Shape], progress: bool) -> None:
         from tqdm import tqdm
 
+        bs = self.block_size
+
+        def zeros(size: int) -> torch.Tensor:  # one tensor per input, as prepare() makes them (no aliases)
+            return torch.zeros((size,), dtype=torch.long, device=self.device)
+
         for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
-            # sequences at position 0 whose every block is the scratch block: their K/V lands there
+            b, t = (x, 1) if kind == "decode" else (1, x)
+            n = _bucket(b * t, 16)
             table = [self.scratch_block] * mb
-            decode = PlannedSeq(-1, 0, [0], table, 1)
-            if kind == "decode":
-                step = [decode] * x
-            elif kind == "prefill":
-                step = [PlannedSeq(-1, 0, [0] * x, table, 1)]
-            else:  # "mixed": x decodes beside a chunk of prefill (continuous batching's usual step)
-                step = [decode] * x + [PlannedSeq(-1, 0, [0] * min(16, mb * self.block_size), table, 1)]
-            inp = self.prepare(step, pad=True)
-            self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
-            self.shapes_warmed.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
+            group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n, True,
+                                lambda v: torch.tensor(v, dtype=torch.long, device=self.device))
+            meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
+                                                             device=self.device), groups=[group])
+            ids, sample_index = zeros(n), zeros(_bucket(b if kind == "decode" else 1, MIN_BUCKET))
+            self._step(self.model, ids, zeros(n), self.kv_caches, meta, sample_index)
+            self.shapes_warmed.add(self.shape_key(ids, sample_index, meta))
