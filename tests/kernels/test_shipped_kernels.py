@@ -171,6 +171,7 @@ def test_paged_attention_on_the_cpu_platform_runs_the_engines_decode_kernel(monk
         pytest.skip(f"the custom call exists on JAX's CPU platform only (this device runs on {STATE.platform})")
     if (why := cpu_kernels.available()) is not None:
         pytest.skip(f"the engine's CPU kernels do not build here: {why}")
+    host_calls.use_paged_decode()  # what the engine does once it has loaded them
     calls = []
     real = host_calls.paged_decode
     monkeypatch.setattr(host_calls, "paged_decode", lambda *a, **k: calls.append(str(a[0].dtype)) or real(*a, **k))

@@ -123,19 +123,21 @@ _PAGED_DECODE_OP = "torchbridge_serve::paged_decode_attention"
 _paged_decode_loaded = False
 
 
-def paged_decode_enabled() -> bool:
-    """Whether decode attention over a paged cache goes to the serving engine's CPU kernel (`paged_decode`):
-    host kernels on, and that kernel's library loaded into this process (the engine loads it when it runs
-    on this device over the CPU platform; the device never imports the engine)."""
+def use_paged_decode() -> None:
+    """Say that the serving engine's CPU kernel library is loaded (the engine does, when it runs on this
+    device over the CPU platform; the device never imports the engine): decode attention over a paged
+    cache then goes to its kernel (`paged_decode`). Asked of the dispatcher here, once, not at every
+    compiled call (`switches()` is part of every call's key: a failed lookup there cost ~38 us a call)."""
     global _paged_decode_loaded
-    if not enabled():
-        return False
-    if not _paged_decode_loaded:  # (once loaded, a library stays: asked of the dispatcher until then)
-        try:
-            _paged_decode_loaded = torch._C._dispatch_has_kernel_for_dispatch_key(_PAGED_DECODE_OP, "CPU")
-        except RuntimeError:  # no such operator: the library is not loaded
-            return False
-    return _paged_decode_loaded
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(_PAGED_DECODE_OP, "CPU"):
+        raise RuntimeError(f"{_PAGED_DECODE_OP} has no CPU kernel: load the engine's CPU kernels first")
+    _paged_decode_loaded = True
+
+
+def paged_decode_enabled() -> bool:
+    """Whether decode attention over a paged cache goes to the serving engine's CPU kernel: host kernels on
+    and `use_paged_decode()` called."""
+    return _paged_decode_loaded and enabled()
 
 
 def paged_decode(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any, scale: float) -> Any:

@@ -185,9 +185,11 @@ def _load_kernels_for_device(device: torch.device) -> None:
     from torchbridge.device.runtime import STATE
 
     if device.type == STATE.name and STATE.platform == "cpu":
+        from torchbridge.device import host_calls
         from torchbridge.serve import cpu_kernels
 
-        cpu_kernels.available()
+        if cpu_kernels.available() is None:
+            host_calls.use_paged_decode()
 
 
 def _cpu_kernels_build() -> bool:
