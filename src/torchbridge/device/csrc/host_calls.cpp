@@ -18,8 +18,10 @@
 #include <ATen/core/stack.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -29,12 +31,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-bool to_scalar_type(ffi::DataType t, at::ScalarType* out) {
+// The torch scalar type of an XLA element type, where it is one of the types `allowed` (a handler's).
+bool to_scalar_type(ffi::DataType t, std::initializer_list<at::ScalarType> allowed, at::ScalarType* out) {
+  at::ScalarType st;
   switch (t) {
-    case ffi::DataType::F32: *out = at::kFloat; return true;
-    case ffi::DataType::F64: *out = at::kDouble; return true;
+    case ffi::DataType::F32: st = at::kFloat; break;
+    case ffi::DataType::F64: st = at::kDouble; break;
+    case ffi::DataType::BF16: st = at::kBFloat16; break;
+    case ffi::DataType::F16: st = at::kHalf; break;
+    case ffi::DataType::S32: st = at::kInt; break;
+    case ffi::DataType::S64: st = at::kLong; break;
     default: return false;
   }
+  if (std::find(allowed.begin(), allowed.end(), st) == allowed.end()) return false;
+  *out = st;
+  return true;
 }
 
 at::Tensor wrap(void* data, ffi::AnyBuffer::Dimensions dims, at::ScalarType st) {
@@ -48,7 +59,7 @@ ffi::Error host_gemm(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuf
                      bool trans_b) {
   at::ScalarType st;
   if (a.element_type() != b.element_type() || a.element_type() != out->element_type() ||
-      !to_scalar_type(a.element_type(), &st)) {
+      !to_scalar_type(a.element_type(), {at::kFloat, at::kDouble}, &st)) {
     return ffi::Error::InvalidArgument("torchbridge host GEMM: operands must both be float32 or float64");
   }
   const size_t rank = a.dimensions().size();
@@ -90,7 +101,7 @@ ffi::Error attention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::
                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool is_causal, bool has_mask,
                      double scale) {
   at::ScalarType st;
-  if (!to_scalar_type(q.element_type(), &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  if (!to_scalar_type(q.element_type(), {at::kFloat, at::kDouble}, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
   c10::InferenceMode guard;
   auto res = at::_scaled_dot_product_flash_attention_for_cpu(wrap(q, st), wrap(k, st), wrap(v, st), 0.0, is_causal,
                                                               optional_mask(mask, has_mask, st), scale);
@@ -104,7 +115,7 @@ ffi::Error attention_backward(ffi::AnyBuffer grad_out, ffi::AnyBuffer q, ffi::An
                               ffi::Result<ffi::AnyBuffer> gq, ffi::Result<ffi::AnyBuffer> gk,
                               ffi::Result<ffi::AnyBuffer> gv, bool is_causal, bool has_mask, double scale) {
   at::ScalarType st;
-  if (!to_scalar_type(q.element_type(), &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
+  if (!to_scalar_type(q.element_type(), {at::kFloat, at::kDouble}, &st)) return ffi::Error::InvalidArgument("torchbridge attention: float32/float64 only");
   c10::InferenceMode guard;
   auto res = at::_scaled_dot_product_flash_attention_for_cpu_backward(
       wrap(grad_out, st), wrap(q, st), wrap(k, st), wrap(v, st), wrap(out, st), wrap(lse, st), 0.0, is_causal,
@@ -324,31 +335,16 @@ ffi::Error adagrad_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer s, ff
 // q [R,H,D] and out in float32/bfloat16/float16; the caches in that dtype or as its bits (uint16: the
 // device moves 16-bit floats as bits on this platform); block tables [R,max_blocks] and context lengths
 // [R] as int32 or int64 (the kernel's int64 copies are R x max_blocks: small).
-bool float_type(ffi::DataType t, at::ScalarType* out) {
-  switch (t) {
-    case ffi::DataType::F32: *out = at::kFloat; return true;
-    case ffi::DataType::BF16: *out = at::kBFloat16; return true;
-    case ffi::DataType::F16: *out = at::kHalf; return true;
-    default: return false;
-  }
-}
-
-bool index_type(ffi::DataType t, at::ScalarType* out) {
-  switch (t) {
-    case ffi::DataType::S32: *out = at::kInt; return true;
-    case ffi::DataType::S64: *out = at::kLong; return true;
-    default: return false;
-  }
-}
-
 ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer tables,
                         ffi::AnyBuffer lens, ffi::Result<ffi::AnyBuffer> out, double scale) {
   at::ScalarType st, tt, lt;
   const auto cache_ok = [&](ffi::AnyBuffer c) {
     return c.element_type() == q.element_type() || (c.element_type() == ffi::DataType::U16 && st != at::kFloat);
   };
-  if (!float_type(q.element_type(), &st) || out->element_type() != q.element_type() || !cache_ok(k_cache) ||
-      !cache_ok(v_cache) || !index_type(tables.element_type(), &tt) || !index_type(lens.element_type(), &lt)) {
+  if (!to_scalar_type(q.element_type(), {at::kFloat, at::kBFloat16, at::kHalf}, &st) ||
+      out->element_type() != q.element_type() || !cache_ok(k_cache) || !cache_ok(v_cache) ||
+      !to_scalar_type(tables.element_type(), {at::kInt, at::kLong}, &tt) ||
+      !to_scalar_type(lens.element_type(), {at::kInt, at::kLong}, &lt)) {
     return ffi::Error::InvalidArgument(
         "torchbridge paged decode: q, out and the caches float32/bfloat16/float16 (caches may be their uint16 "
         "bits), block tables and context lengths int32/int64");
