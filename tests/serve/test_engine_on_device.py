@@ -115,3 +115,25 @@ def test_buckets_left_for_idle_time_warm_without_touching_requests(llama_dir: Pa
     while eng.warmup_pending:
         eng.warm_idle()
     assert len(eng.runner.shapes_warmed) == len(shapes)
+
+
+def test_16bit_linears_multiply_float32_weights_on_the_cpu_platform(llama_dir: Path) -> None:
+    """XLA:CPU multiplies 16-bit floats in float32, converting the weight at every call: on that platform the
+    engine keeps each bf16 linear's weight as float32 (serve/linear.py `widen`; the 16-bit copy released
+    unless tied). Accuracy against HF in bf16 is test_dtype's (on this device too); here: the layers really
+    are widened, and serve."""
+    from torchbridge.device.runtime import STATE
+    from torchbridge.serve.linear import Linear
+
+    if STATE.platform != "cpu":
+        pytest.skip(f"XLA on {STATE.platform} multiplies 16-bit floats natively: weights stay 16-bit")
+    llm = LLM(str(llama_dir), device=DEV, dtype="bfloat16", block_size=16, num_blocks=24, max_model_len=48,
+              max_num_seqs=4, max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.wide is not None and m.wide.dtype.itemsize == 4 and m.wide.device.type == DEV
+                           for m in linears)
+    tied = model.model.embed_tokens.weight
+    assert all(m.weight.device.type == "meta" or m.weight is tied for m in linears)
+    out = llm.generate(mixed_prompts(2, hi=12), SamplingParams(temperature=0, max_tokens=4))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchbridge.serve.linear import Linear, pack, packing_supported
+from torchbridge.serve.linear import Linear, pack, packing_supported, widen
 
 
 class TwoLayers(nn.Module):
@@ -38,6 +38,28 @@ def test_packed_matches_float64_reference(dtype: torch.dtype, atol: float, rows:
     # the tied weight is still the embedding's; bf16 drops the plain copy of the others, fp32 keeps it (one-row calls)
     assert model.head.weight.device.type == "cpu" and model.head.weight is model.embed.weight
     assert model.up.weight.device.type == ("cpu" if dtype == torch.float32 else "meta")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_widened_linear_is_the_16bit_product_rounded_once(dtype: torch.dtype, rows: int) -> None:
+    """`widen` (the bridge's device over JAX's CPU platform): the weight kept as float32, the product computed
+    in float32 and rounded once to the input's dtype: within half a unit in the last place of the float64
+    product (plus float32 accumulation error), in the input's dtype; the 16-bit weight released unless tied."""
+    torch.manual_seed(rows)
+    model = TwoLayers(dtype)
+    w, b = model.up.weight.detach().double().clone(), model.up.bias.detach().double().clone()
+    tied = model.head.weight.detach().double().clone()
+    assert widen(model) == 2
+    x = torch.randn(2, rows, 32).to(dtype)
+    eps = torch.finfo(dtype).eps
+    for y, ref in ((model.up(x), x.double() @ w.T + b), (model.head(x), x.double() @ tied.T)):
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert ((y.double() - ref).abs() <= ref.abs() * eps / 2 + 1e-5).all()
+    assert model.up.wide.dtype == torch.float32 and model.up.weight.device.type == "meta"
+    assert model.head.weight is model.embed.weight and model.head.weight.device.type == "cpu"
+    # float32 layers are left alone
+    assert widen(TwoLayers(torch.float32)) == 0
 
 
 # ---- bf16 on Intel AMX (serve/csrc/amx_linear.cpp) -------------------------------------------------------

@@ -17,6 +17,13 @@ On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a th
 bench and bundled models' five layer shapes summed, 2-5x for single shapes with the weight in cache (the
 "AMX linears" part of bench/bench_serve_kernels.py). Longer calls (prefill) keep oneDNN, so such a layer
 holds its weight twice.
+
+On the bridge's device over JAX's CPU platform, XLA:CPU multiplies 16-bit floats in float32 and converts
+the weight to float32 inside every call (a bf16 decode step of the bundled model at 32 sequences spent ~40%
+of its XLA thread time in those conversions). `widen(model)` gives each 16-bit layer its weight as float32,
+converted once, and the layer multiplies `x` converted to float32 by it, rounding the result to x's dtype:
+the products XLA computed before, without converting the weight per call. The 16-bit weight is released
+unless another module shares it (tied embeddings), so weights take twice their 16-bit memory there.
 """
 
 from __future__ import annotations
@@ -33,11 +40,15 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     tiles: torch.Tensor | None = None  # the weight as AMX tiles (set by `pack`)
+    wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.wide, bias).to(x.dtype)
         if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
             return cpu_kernels.amx_linear(x, self.tiles, self.bias)
         if self.packed is not None and (x.dtype != torch.float32 or x.numel() > x.shape[-1]):
@@ -89,6 +100,25 @@ def pack(model: nn.Module, amx: bool = False) -> int:
         if amx and _amx_fits(w, m.bias):
             m.tiles = amx_layout(w.detach())
         if w.dtype != torch.float32 and w.data_ptr() not in shared:
+            m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def widen(model: nn.Module) -> int:
+    """Give every 16-bit float `Linear` of `model` its weight as float32 (`Linear.wide`), releasing the
+    16-bit one where no other module shares it; returns how many. For devices whose compiler upcasts
+    16-bit products to float32 anyway (the bridge's device over JAX's CPU platform): same products, no
+    conversion of the weight per call."""
+    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, Linear) or m.weight.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        w = m.weight
+        m.wide = w.detach().float()
+        if w.data_ptr() not in shared:
             m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
         n += 1
     return n

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from torchbridge.serve.config import ModelConfig
-from torchbridge.serve.linear import pack
+from torchbridge.serve.linear import pack, widen
 from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
 from torchbridge.serve.parallel import SINGLE, TPGroup, shard
 
@@ -32,8 +32,10 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
-    tp: TPGroup = SINGLE, amx: bool = False,
+    tp: TPGroup = SINGLE, amx: bool = False, wide: bool = False,
 ) -> LlamaForCausalLM:
+    """The checkpoint in `model_dir` as the engine's model on `device`. `amx`: bf16 linears also as AMX tiles
+    (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`)."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, tp)
@@ -76,4 +78,6 @@ def load_model(
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
     pack(model, amx)  # on the cpu: weights laid out once for oneDNN, and AMX if asked (serve/linear.py)
+    if wide:
+        widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
     return model.eval()
