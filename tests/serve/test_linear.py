@@ -62,6 +62,14 @@ def test_widened_linear_is_the_16bit_product_rounded_once(dtype: torch.dtype, ro
     assert widen(TwoLayers(torch.float32)) == 0
 
 
+def test_pack_widens_16bit_layers_where_onednn_has_no_16bit_gemm() -> None:
+    if packing_supported(torch.bfloat16):
+        pytest.skip("oneDNN runs bf16 linears on this CPU: pack packs them (test_packed_matches_float64_reference)")
+    model = TwoLayers(torch.bfloat16)
+    assert pack(model) == 2
+    assert model.up.wide is not None and model.up.packed is None and model.up.weight.device.type == "meta"
+
+
 # ---- bf16 on Intel AMX (serve/csrc/amx_linear.cpp) -------------------------------------------------------
 
 def _amx_or_skip() -> None:

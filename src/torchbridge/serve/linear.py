@@ -18,6 +18,11 @@ bench and bundled models' five layer shapes summed, 2-5x for single shapes with 
 "AMX linears" part of bench/bench_serve_kernels.py). Longer calls (prefill) keep oneDNN, so such a layer
 holds its weight twice.
 
+Where oneDNN has no 16-bit GEMM for this CPU (no AVX512-BF16/AMX: `packing_supported` is False), torch's
+own bf16 GEMM ran ~10x slower than float32's from 16 rows up (AMD EPYC with AVX2: 2.6 vs 0.53 ms at 16 x 256
+x 4096, 101 vs 11.5 ms at 2048 x 256 x 1536), so `pack` widens those layers instead (below): a bf16 decode
+step of the bundled model at 32 sequences 54 -> 16 ms there.
+
 On the bridge's device over JAX's CPU platform, XLA:CPU multiplies 16-bit floats in float32 and converts
 the weight to float32 inside every call (a bf16 decode step of the bundled model at 32 sequences spent ~40%
 of its XLA thread time in those conversions). `widen(model)` gives each 16-bit layer its weight as float32,
@@ -87,13 +92,18 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 @torch.no_grad()
 def pack(model: nn.Module, amx: bool = False) -> int:
-    """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs); returns how many.
+    """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs; 16-bit layers it does
+    not run on this CPU are widened instead); returns how many.
     `amx`: also give bf16 layers their AMX tiles (the engine's CPU kernels loaded and `amx_available()`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     n = 0
     for m in linears:
         w = m.weight
+        if w.device.type == "cpu" and w.dtype in _HALF and not packing_supported(w.dtype):
+            _widen(m, shared)  # no oneDNN 16-bit GEMM on this CPU: torch's own runs ~10x slower than float32's
+            n += 1
+            continue
         if w.device.type != "cpu" or not packing_supported(w.dtype):
             continue
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
@@ -114,11 +124,17 @@ def widen(model: nn.Module) -> int:
     shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     n = 0
     for m in model.modules():
-        if not isinstance(m, Linear) or m.weight.dtype not in (torch.bfloat16, torch.float16):
-            continue
-        w = m.weight
-        m.wide = w.detach().float()
-        if w.data_ptr() not in shared:
-            m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
-        n += 1
+        if isinstance(m, Linear) and m.weight.dtype in _HALF:
+            _widen(m, shared)
+            n += 1
     return n
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _widen(m: Linear, shared: set[int]) -> None:
+    w = m.weight
+    m.wide = w.detach().float()
+    if w.data_ptr() not in shared:
+        m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
