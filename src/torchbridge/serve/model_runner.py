@@ -99,7 +99,7 @@ class StepInput:
 
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
           meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
-    """One engine step: the model over every scheduled token, then the logits of the rows to sample."""
+    """One engine step: the model over every scheduled token, then the logits (float32) of the rows to sample."""
     # Sizes that are one size, said to torch once per step, so that a step traced with symbolic bucket
     # sizes knows them equal (as the kernels need): one token count for every per-token tensor, and per
     # attention group one batch, query length and context (blocks x block size) in each of its tensors.
@@ -120,7 +120,9 @@ def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tens
             torch._check(g.mask.shape[2] == max_q)
             torch._check(g.mask.shape[3] == g.block_tables.shape[1] * block_size)
     hidden = model(input_ids, positions, kv_caches, meta)
-    return model.compute_logits(hidden[sample_index])
+    # float32 here, inside the step: on a compiling device an eager `.float()` afterwards was a program of its
+    # own per logits shape, compiled when the first request met that shape (warm-up does not sample)
+    return model.compute_logits(hidden[sample_index]).float()
 
 
 def _meta_on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
