@@ -114,6 +114,7 @@ class GraphProgram:
 
         STATE.table.drain()
         descs, bufs, hosts, device = [], [], [], None
+        slot: dict[int, int] = {}  # argument index -> its buffer's position in `bufs` (device tensors)
         true = padded = None
         if self.dims is not None:
             true, padded = self.dims.bind(args)
@@ -122,6 +123,7 @@ class GraphProgram:
             pad = self._padded_spec(i, padded) if self.bounded and i in self.dims.symbolic_inputs else None
             if isinstance(a, torch.Tensor) and a.device.type == STATE.name:
                 device = device or a.device
+                slot[i] = len(bufs)
                 storage = a.untyped_storage()
                 jdt = dtypes.to_jax(a.dtype)
                 buf = STATE.table.get_or_zeros(storage.data_ptr(), storage.nbytes(), jdt, STATE.jax_device(a.device.index or 0))
@@ -177,7 +179,7 @@ class GraphProgram:
             hosts, consts = [glob(h) for h in hosts], [glob(c) for c in consts]
             rng = None if rng is None else glob(np.array(rng, dtype=np.uint64))
         if self.writes:  # (it records what synchronize() waits on: the written buffers too)
-            flat_out = self._call_writing(fn, args, bufs, hosts, consts, rng, device.index or 0, plan)
+            flat_out = self._call_writing(fn, args, bufs, slot, hosts, consts, rng, device.index or 0, plan)
         else:
             call = (tuple(bufs), tuple(hosts), tuple(consts), rng)
             if plan is not None:
@@ -223,15 +225,14 @@ class GraphProgram:
         once = [k for k in picks if ids.count(ids[k]) == 1]
         return tuple(donation.sole_holders(bufs, once, dev))
 
-    def _call_writing(self, fn: Any, args: tuple, bufs: list, hosts: list, consts: list, rng: Any, dev: int,
-                      plan: spmd.Plan | None) -> Any:
+    def _call_writing(self, fn: Any, args: tuple, bufs: list, slot: dict[int, int], hosts: list, consts: list,
+                      rng: Any, dev: int, plan: spmd.Plan | None) -> Any:
         """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
         mutations as trailing `copy_` nodes (the optimizer step writing parameters and state), so
         the new values come out of this one executable and go straight into the buffer table,
         instead of one eager `copy_` per tensor afterwards. Large written buffers nothing else holds
         are donated (XLA then writes over them instead of into fresh memory: an Adagrad step of 25M
         parameters 34 -> 23 ms) unless XLA answers the donation with copies (`_Executable.donating`)."""
-        slot = _device_slots(args)
         donate = self._donatable(args, bufs, slot, dev) if plan is None else ()
         run = None
         if donate:
@@ -806,12 +807,6 @@ def _call_recycling(fn: _Executable, call: tuple) -> Any:
                          if o.nbytes >= storage.SPARE_MIN_BYTES and storage.spares_enabled(d := next(iter(o.devices())))]
         storage.SPARES.want(fn.spare_keys)
     return out
-
-
-def _device_slots(args: tuple) -> dict[int, int]:
-    """Argument index -> position among the device-tensor arguments (their buffers' order)."""
-    idx = (i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == STATE.name)
-    return {i: k for k, i in enumerate(idx)}
 
 
 def _collective_groups(nodes: list[torch.fx.Node]) -> tuple[str, ...]:

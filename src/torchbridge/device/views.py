@@ -8,6 +8,7 @@ transposes; anything else falls back to a gather/scatter with computed indices.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -134,6 +135,7 @@ def layout(values: jnp.ndarray, spec: ViewSpec, storage_numel: int) -> jnp.ndarr
     return write(jnp.zeros((storage_numel,), values.dtype), spec, values)
 
 
+@functools.lru_cache(maxsize=256)  # asked per written buffer of every compiled call; dtypes are few
 def same_width(a: Any, b: Any) -> bool:
     """Whether elements of dtype `a` reinterpret as elements of `b` one for one: one bitcast (the same
     item size, neither bool nor complex), or none (the same dtype)."""
