@@ -100,15 +100,15 @@ class StepInput:
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
           meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
     """One engine step: the model over every scheduled token, then the logits (float32) of the rows to sample."""
-    # Sizes that are one size, said to torch once per step, so that a step traced with symbolic bucket
-    # sizes knows them equal (as the kernels need): one token count for every per-token tensor, and per
-    # attention group one batch, query length and context (blocks x block size) in each of its tensors.
     # Index tensors built on the host (a compiled step's): moved here, inside the graph, so the backend
     # hands them to its executable as arguments, moved with the call in one batch (one transfer each
     # from Python cost ~0.35 ms; nine per step).
     device = kv_caches[0][0].device
     input_ids, positions, sample_index = input_ids.to(device), positions.to(device), sample_index.to(device)
     meta = _meta_on(meta, device)
+    # Sizes that are one size, said to torch once per step, so that a step traced with symbolic bucket
+    # sizes knows them equal (as the kernels need): one token count for every per-token tensor, and per
+    # attention group one batch, query length and context (blocks x block size) in each of its tensors.
     torch._check(positions.shape[0] == input_ids.shape[0])
     torch._check(meta.slot_mapping.shape[0] == input_ids.shape[0])
     block_size = kv_caches[0][0].shape[1]
@@ -321,7 +321,7 @@ class ModelRunner:
         num_real = len(ids)
         n, m = len(ids), len(sample)
         if pad:
-            n, m = _token_bucket(n, n == len(rows)), _bucket(m, MIN_BUCKET)
+            n, m = _token_bucket(n, n == len(rows)), _bucket(m, MIN_BUCKET)  # (n == sequences: decodes only)
         ids += [0] * (n - len(ids))
         pos += [0] * (n - len(pos))
         slots += [self.scratch_block * bs] * (n - len(slots))
