@@ -96,7 +96,7 @@ def pack(model: nn.Module, amx: bool = False) -> int:
     not run on this CPU are widened instead); returns how many.
     `amx`: also give bf16 layers their AMX tiles (the engine's CPU kernels loaded and `amx_available()`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    shared = _shared(model)
     n = 0
     for m in linears:
         w = m.weight
@@ -109,8 +109,8 @@ def pack(model: nn.Module, amx: bool = False) -> int:
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         if amx and _amx_fits(w, m.bias):
             m.tiles = amx_layout(w.detach())
-        if w.dtype != torch.float32 and w.data_ptr() not in shared:
-            m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
+        if w.dtype != torch.float32:
+            _release(m, shared)
         n += 1
     return n
 
@@ -121,7 +121,7 @@ def widen(model: nn.Module) -> int:
     16-bit one where no other module shares it; returns how many. For devices whose compiler upcasts
     16-bit products to float32 anyway (the bridge's device over JAX's CPU platform): same products, no
     conversion of the weight per call."""
-    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    shared = _shared(model)
     n = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.dtype in _HALF:
@@ -133,8 +133,17 @@ def widen(model: nn.Module) -> int:
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _shared(model: nn.Module) -> set[int]:
+    """Storages of the parameters of modules other than `Linear`s (a tied embedding's weight)."""
+    return {p.data_ptr() for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+
+
+def _release(m: Linear, shared: set[int]) -> None:
+    """Drop a layer's plain weight (left on the meta device, for its shape) unless another module shares it."""
+    if m.weight.data_ptr() not in shared:
+        m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+
+
 def _widen(m: Linear, shared: set[int]) -> None:
-    w = m.weight
-    m.wide = w.detach().float()
-    if w.data_ptr() not in shared:
-        m.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
+    m.wide = m.weight.detach().float()
+    _release(m, shared)

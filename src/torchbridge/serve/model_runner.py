@@ -202,15 +202,20 @@ def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _bridge_on_cpu_platform(device: torch.device) -> bool:
+    """Whether `device` is the bridge's device over JAX's CPU platform (XLA:CPU runs the compiled step)."""
+    if device.type in ("cpu", "cuda", "meta"):
+        return False
+    from torchbridge.device.runtime import STATE
+
+    return device.type == STATE.name and STATE.platform == "cpu"
+
+
 def _load_kernels_for_device(device: torch.device) -> None:
     """On the bridge's device over JAX's CPU platform, load the engine's CPU kernels: the device's paged
     attention kernel then runs the C++ decode kernel inside the compiled step instead of gathering every
     row's context (kernels/paged_attention.py). Where they do not build, the device keeps its own."""
-    if device.type in ("cpu", "cuda", "meta"):
-        return
-    from torchbridge.device.runtime import STATE
-
-    if device.type == STATE.name and STATE.platform == "cpu":
+    if _bridge_on_cpu_platform(device):
         from torchbridge.device import host_calls
         from torchbridge.serve import cpu_kernels
 
@@ -218,15 +223,11 @@ def _load_kernels_for_device(device: torch.device) -> None:
             host_calls.use_paged_decode()
 
 
-def _wide_weights(device: torch.device, dtype: torch.dtype) -> bool:
+def _wide_weights(device: torch.device) -> bool:
     """Whether 16-bit linears keep float32 weights (serve/linear.py `widen`): on the bridge's device over
     JAX's CPU platform, whose compiler multiplies 16-bit floats in float32, converting the weight at every
     call. TORCHBRIDGE_SERVE_WIDE=0 keeps the 16-bit weights (for A/B measurements)."""
-    if device.type in ("cpu", "cuda", "meta") or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    from torchbridge.device.runtime import STATE
-
-    return device.type == STATE.name and STATE.platform == "cpu" and os.environ.get("TORCHBRIDGE_SERVE_WIDE", "1") != "0"
+    return _bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_WIDE", "1") != "0"
 
 
 def _cpu_kernels_build() -> bool:
@@ -270,7 +271,7 @@ class ModelRunner:
         amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx,
-                                _wide_weights(self.device, self.dtype))
+                                _wide_weights(self.device))
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]
