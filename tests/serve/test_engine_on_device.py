@@ -59,6 +59,45 @@ def test_steady_state_serving_does_not_recompile(device_llm: LLM, llama_dir: Pat
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
 
 
+def test_compiled_steps_are_replayed_after_each_buckets_first(device_llm: LLM, llama_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a bucket's first step through torch.compile the engine repeats that call (compile/replay.py)
+    without entering Dynamo: the tokens stay Hugging Face's, and once every bucket has been met no step
+    goes through torch.compile at all."""
+    runner = device_llm.engine.runner
+    if not device_llm.engine.config.compile_model:
+        pytest.skip("op by op: no compiled call to replay")
+    assert runner._replays is not None
+    compiled_calls = []
+    step = runner._step
+    monkeypatch.setattr(runner, "_step", lambda *a: compiled_calls.append(1) or step(*a))
+
+    def replayed() -> int:
+        return sum(r.replays for r in runner._replays.values() if r is not None)
+
+    prompts = mixed_prompts(3, hi=24)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    before = replayed()
+    outs = device_llm.generate(prompts, params)
+    assert replayed() - before > len(compiled_calls)  # most steps replayed, the rest compiled calls
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
+    compiled_calls.clear()
+    before = replayed()
+    outs = device_llm.generate(prompts, params)
+    assert not compiled_calls and replayed() > before
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
+
+
+def test_replay_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from torchbridge.serve.model_runner import _replaying
+
+    assert _replaying(torch.device(DEV)) and not _replaying(torch.device("cpu"))
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_REPLAY", "0")
+    assert not _replaying(torch.device(DEV))
+
+
 def test_the_model_calls_the_shipped_kernels_on_the_device(device_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens above are unchanged with the kernels on (the default); here: they really run.
     Counted op by op (a compiled step does not re-enter Python; its model code is the same)."""

@@ -17,7 +17,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,24 @@ compile_counter: Counter[str] = Counter()
 _BINDINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bindings", default=None)
 # the graph inputs (placeholder indices) the program being traced donates (_Executable.donating)
 _DONATED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("donated", default=frozenset())
+# compiled graph calls recorded while compile/replay.py captures one (None: not capturing)
+_CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar("capture", default=None)
+
+
+class Call(NamedTuple):
+    """One GraphProgram call, as compile/replay.py needs it to repeat the call without the argument walk."""
+
+    program: GraphProgram
+    args: tuple
+    fn: Any  # the _Executable that ran
+    out_meta: list
+    slot: dict[int, int]  # argument index -> position among the device buffers
+    descs: tuple  # per argument: ("d", view, ...) device, ("h", shape, dtype) host, ("c", value) constant
+    consts: list
+    device: torch.device
+    switches: Any  # host_calls.switches() the program was built for
+    true: Any  # the call's size bindings (exact symbolic sizes), for size outputs
+    plain: bool  # no collectives, no random numbers, no padded (bounded) sizes
 
 
 def _shape(val: torch.Tensor) -> tuple[int, ...]:
@@ -187,6 +205,15 @@ class GraphProgram:
             else:
                 flat_out = _call_recycling(fn, call)
             STATE.last_results[device.index or 0] = flat_out  # what torch.tpu.synchronize() waits on
+        calls = _CAPTURE.get()
+        if calls is not None:
+            calls.append(Call(self, args, fn, out_meta, slot, tuple(descs), consts, device, key[2], true,
+                              plan is None and rng is None and not self.bounded))
+        return self._results(flat_out, out_meta, args, device, true)
+
+    def _results(self, flat_out: Any, out_meta: list, args: tuple, device: torch.device, true: Any) -> list:
+        """The graph's outputs as device tensors: new storages holding the program's output buffers, sizes,
+        constants, and views of inputs or of other outputs."""
         results: list[Any] = [None] * len(out_meta)
         it = iter(flat_out)
         for i, m in enumerate(out_meta):
@@ -209,16 +236,22 @@ class GraphProgram:
                 results[i] = _reinterpret(base, shape, stride, base.storage_offset() + rel)
         return results
 
-    def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int) -> tuple[int, ...]:
-        """Buffer positions to donate: large storages this graph writes (XLA then updates them in place:
-        a KV cache's few new rows, an optimizer step's parameters and state; Adam's one-pass custom call
-        then aliases its results to its operands), held by nothing but the table (and `bufs`), each
-        passed once; in the order the new values come out (donation.donating_jit)."""
+    def _donation_picks(self, args: tuple, bufs: list, slot: dict[int, int]) -> list[int]:
+        """Buffer positions that may be donated, by size and dtype: large storages this graph writes (XLA
+        then updates them in place: a KV cache's few new rows, an optimizer step's parameters and state;
+        Adam's one-pass custom call then aliases its results to its operands), in the order the new
+        values come out (donation.donating_jit)."""
         # a buffer of another width than its tensor's dtype (a byte storage FSDP2 all-gathers into, written
         # as float32) cannot take the new value, which comes out in the tensor's dtype
-        picks = [slot[i] for i in self.writes
-                 if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
-                 and views.same_width(bufs[slot[i]].dtype, dtypes.to_jax(args[i].dtype))]
+        return [slot[i] for i in self.writes
+                if i in slot and bufs[slot[i]].nbytes >= donation.DONATE_BYTES
+                and views.same_width(bufs[slot[i]].dtype, dtypes.to_jax(args[i].dtype))]
+
+    def _donatable(self, args: tuple, bufs: list, slot: dict[int, int], dev: int,
+                   picks: list[int] | None = None) -> tuple[int, ...]:
+        """Of `picks` (default: `_donation_picks`), the buffers held by nothing but the table (and `bufs`),
+        each passed once: those are donated."""
+        picks = self._donation_picks(args, bufs, slot) if picks is None else picks
         if not picks:
             return ()
         ids = [id(b) for b in bufs]
@@ -226,14 +259,14 @@ class GraphProgram:
         return tuple(donation.sole_holders(bufs, once, dev))
 
     def _call_writing(self, fn: Any, args: tuple, bufs: list, slot: dict[int, int], hosts: list, consts: list,
-                      rng: Any, dev: int, plan: spmd.Plan | None) -> Any:
+                      rng: Any, dev: int, plan: spmd.Plan | None, picks: list[int] | None = None) -> Any:
         """Run a graph that mutates some of its inputs: AOTAutograd keeps an inference graph's input
         mutations as trailing `copy_` nodes (the optimizer step writing parameters and state), so
         the new values come out of this one executable and go straight into the buffer table,
         instead of one eager `copy_` per tensor afterwards. Large written buffers nothing else holds
         are donated (XLA then writes over them instead of into fresh memory: an Adagrad step of 25M
         parameters 34 -> 23 ms) unless XLA answers the donation with copies (`_Executable.donating`)."""
-        donate = self._donatable(args, bufs, slot, dev) if plan is None else ()
+        donate = self._donatable(args, bufs, slot, dev, picks) if plan is None else ()
         run = None
         if donate:
             donated = tuple(bufs[k] for k in donate)
@@ -1070,7 +1103,7 @@ def register(name: str) -> None:
 
 def metrics() -> dict[str, Any]:
     counters = ("recompiles", "donated_calls", "recycled_outputs", "patterns", "collective_graphs", "collectives",
-                "routed_from_inductor", "flex_attention_lowered")
+                "routed_from_inductor", "flex_attention_lowered", "replayed_calls")
     graphs = {k: v for k, v in compile_counter.items() if k not in counters}
     return {"graphs_compiled": sum(graphs.values()), **{k: compile_counter[k] for k in counters}, "by_graph": graphs}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +96,19 @@ class StepInput:
     sample_index: torch.Tensor
     rows: list[tuple[int, int]]  # per batch item: (first row, row count) in the logits; count 0: none
     num_rows: int
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every index tensor of the step, in a fixed order (a compiled step's replay takes them so)."""
+        out = [self.input_ids, self.positions, self.meta.slot_mapping, self.sample_index]
+        for g in self.meta.groups:
+            if isinstance(g, AttentionGroup):
+                out += [g.query_index, g.block_tables, g.mask, g.out_tokens, g.out_cells]
+        return out
+
+    def replay_key(self) -> tuple:
+        """The step's shape bucket and the kinds of its attention groups: one compiled call each."""
+        return (ModelRunner.shape_key(self.input_ids, self.sample_index, self.meta),
+                tuple(type(g).__name__ for g in self.meta.groups))
 
 
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -230,6 +244,16 @@ def _wide_weights(device: torch.device) -> bool:
     return _bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_WIDE", "1") != "0"
 
 
+def _replaying(device: torch.device) -> bool:
+    """Whether the compiled step is replayed per bucket (compile/replay.py): on the bridge's device, whose
+    backend records the calls; TORCHBRIDGE_SERVE_REPLAY=0 always takes the full path (for A/B measurements)."""
+    if device.type in ("cpu", "cuda", "meta") or os.environ.get("TORCHBRIDGE_SERVE_REPLAY", "1") == "0":
+        return False
+    from torchbridge.device.runtime import STATE
+
+    return device.type == STATE.name
+
+
 def _cpu_kernels_build() -> bool:
     from torchbridge.serve import cpu_kernels
 
@@ -283,6 +307,10 @@ class ModelRunner:
             if config.decode_workspace else None
         )
         self._step = _compiled_step(self.device) if config.compile_model else _step
+        # Replays of the compiled step, per shape bucket (compile/replay.py): after a bucket's first step
+        # the engine repeats its compiled call without Dynamo's guards or the backend's argument walk.
+        # None: not replaying (eager, or another backend). A bucket whose capture cannot replay maps to None.
+        self._replays: dict[tuple, Any] | None = {} if config.compile_model and _replaying(self.device) else None
         # Where a step's index tensors are built: a compiled step takes them from the host and moves them
         # itself (_step), in one batch with its executable's call.
         self.input_device = torch.device("cpu") if config.compile_model else self.device
@@ -463,12 +491,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepPlan, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """This rank's part of one step: the logits of the rows to sample (on the device)."""
+        """This rank's part of one step: the logits of the rows to sample (on the device, or on the host
+        where the compiled step was replayed)."""
         inp = self.prepare(step, pad)
         self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
-        logits = self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+        logits = self._run_step(inp)
         num_real = sum(c for _, c in inp.rows)
         return logits[:num_real], inp.rows
+
+    def _run_step(self, inp: StepInput) -> torch.Tensor:
+        """The compiled (or eager) step on `inp`; replayed where this bucket's step was captured (its logits
+        then come back on the host: the caller copies them there next)."""
+        replays = self._replays
+        if replays is None:
+            return self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+        from torchbridge.compile import replay
+
+        key, sources = inp.replay_key(), inp.host_tensors()
+        known = key in replays
+        rep = replays.get(key)
+        if rep is not None:
+            out = rep(sources, host_outputs=True)
+            if out is not None:
+                return out[0]
+        elif known:  # (this bucket's step cannot be replayed: a graph break, say)
+            return self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+        with replay.capture() as cap:  # the bucket's first step, or a replay that no longer fits
+            logits = self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+        replays[key] = cap.replay(sources)
+        return logits
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); this runner cannot step afterwards."""
