@@ -60,36 +60,35 @@ def test_replays_match_cpu_eager_and_write_the_latest_cache(state: dict) -> None
     torch.testing.assert_close(cache.cpu(), cpu_cache)
 
 
+def _captured(weight: torch.Tensor, cache: torch.Tensor) -> replay.Replay:
+    """A replay of `_step`'s compiled call on the first inputs."""
+    first = _inputs(0)
+    with torch.inference_mode(), replay.capture() as cap:
+        torch.compile(_step, backend="tpu", dynamic=False)(weight, cache, *first)
+    rep = cap.replay(first)
+    assert rep is not None
+    return rep
+
+
 def test_a_replay_refuses_inputs_that_no_longer_fit_and_runs_nothing(state: dict) -> None:
-    compiled = torch.compile(_step, backend="tpu", dynamic=False)
     weight, cache = state["dev"]
+    rep = _captured(weight, cache)
+    before = cache.cpu()
     with torch.inference_mode():
-        first = _inputs(0)
-        with replay.capture() as cap:
-            compiled(weight, cache, *first)
-        rep = cap.replay(first)
-        assert rep is not None
-        before = cache.cpu()
         assert rep(_inputs(1, n=5)) is None  # another number of rows: another program
         rows, x, read = _inputs(2)
         assert rep([rows, x.double(), read]) is None  # another dtype
-        torch.testing.assert_close(cache.cpu(), before, rtol=0, atol=0)
-        assert rep.replays == 0
+    torch.testing.assert_close(cache.cpu(), before, rtol=0, atol=0)
+    assert rep.replays == 0
 
 
 def test_a_replay_refuses_when_the_host_calls_switches_changed(state: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from torchbridge.device import host_calls
 
-    compiled = torch.compile(_step, backend="tpu")
-    weight, cache = state["dev"]
+    rep = _captured(*state["dev"])
+    switches = host_calls.switches()
+    monkeypatch.setattr(host_calls, "switches", lambda: (switches, "changed"))
     with torch.inference_mode():
-        first = _inputs(0)
-        with replay.capture() as cap:
-            compiled(weight, cache, *first)
-        rep = cap.replay(first)
-        assert rep is not None
-        switches = host_calls.switches()
-        monkeypatch.setattr(host_calls, "switches", lambda: (switches, "changed"))
         assert rep(_inputs(1)) is None
 
 

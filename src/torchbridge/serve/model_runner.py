@@ -216,13 +216,22 @@ def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _bridge_on_cpu_platform(device: torch.device) -> bool:
-    """Whether `device` is the bridge's device over JAX's CPU platform (XLA:CPU runs the compiled step)."""
+def _on_bridge(device: torch.device) -> bool:
+    """Whether `device` is the bridge's device (its compiled steps run through the bridge's backend)."""
     if device.type in ("cpu", "cuda", "meta"):
         return False
     from torchbridge.device.runtime import STATE
 
-    return device.type == STATE.name and STATE.platform == "cpu"
+    return device.type == STATE.name
+
+
+def _bridge_on_cpu_platform(device: torch.device) -> bool:
+    """Whether `device` is the bridge's device over JAX's CPU platform (XLA:CPU runs the compiled step)."""
+    if not _on_bridge(device):
+        return False  # (before importing the device's runtime: a cpu engine never loads JAX)
+    from torchbridge.device.runtime import STATE
+
+    return STATE.platform == "cpu"
 
 
 def _load_kernels_for_device(device: torch.device) -> None:
@@ -247,11 +256,7 @@ def _wide_weights(device: torch.device) -> bool:
 def _replaying(device: torch.device) -> bool:
     """Whether the compiled step is replayed per bucket (compile/replay.py): on the bridge's device, whose
     backend records the calls; TORCHBRIDGE_SERVE_REPLAY=0 always takes the full path (for A/B measurements)."""
-    if device.type in ("cpu", "cuda", "meta") or os.environ.get("TORCHBRIDGE_SERVE_REPLAY", "1") == "0":
-        return False
-    from torchbridge.device.runtime import STATE
-
-    return device.type == STATE.name
+    return _on_bridge(device) and os.environ.get("TORCHBRIDGE_SERVE_REPLAY", "1") != "0"
 
 
 def _cpu_kernels_build() -> bool:
