@@ -156,6 +156,34 @@ def test_buckets_left_for_idle_time_warm_without_touching_requests(llama_dir: Pa
     assert len(eng.runner.shapes_warmed) == len(shapes)
 
 
+def test_warm_up_waits_for_its_programs(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device runs programs asynchronously: warm-up must not return with its steps still queued (the first
+    request's step waited behind them). It synchronizes after the last warm step, and every result is ready."""
+    import jax
+    import torch
+
+    from torchbridge.device.runtime import STATE
+
+    llm = LLM(str(llama_dir), device=DEV, block_size=16, num_blocks=24, max_model_len=48, max_num_seqs=4,
+              max_num_batched_tokens=32, compile_model=True)
+    runner = llm.engine.runner
+    events: list[str] = []
+    step = runner._step
+
+    def counted_step(*args: object) -> object:
+        events.append("step")
+        return step(*args)
+
+    runner._step = counted_step
+    module = torch.get_device_module(runner.device)
+    sync = module.synchronize
+    monkeypatch.setattr(module, "synchronize", lambda *a, **k: (events.append("sync"), sync(*a, **k))[1])
+    buckets = runner.warmup(4, 32, progress=False)
+    assert events.count("step") == buckets and events[-1] == "sync"
+    pending = STATE.last_results.get(runner.device.index or 0)
+    assert pending is not None and all(x.is_ready() for x in jax.tree.leaves(pending))
+
+
 def test_16bit_linears_multiply_float32_weights_on_the_cpu_platform(llama_dir: Path) -> None:
     """XLA:CPU multiplies 16-bit floats in float32, converting the weight at every call: on that platform the
     engine keeps each bf16 linear's weight as float32 (serve/linear.py `widen`; the 16-bit copy released
