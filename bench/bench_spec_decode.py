@@ -74,11 +74,14 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchbridge.serve import default_model_dir
+    from torchbridge.serve import default_eagle_dir, default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(default_model_dir()))
     ap.add_argument("--draft", default=None, help="a draft checkpoint (scripts/distill_draft.py); default: none")
+    ap.add_argument("--eagle", default=None,
+                    help="an EAGLE head (scripts/distill_draft.py --method eagle); default: the bundled head with the "
+                         "bundled model, else none; 'none' leaves the arm out")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -97,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft:
         arms["draft_model"] = json.dumps({"method": "draft_model", "model": args.draft,
                                           "num_speculative_tokens": args.k})
+    eagle = args.eagle
+    if eagle is None and Path(args.model).resolve() == default_model_dir().resolve() and default_eagle_dir().is_dir():
+        eagle = str(default_eagle_dir())
+    if eagle and eagle != "none":
+        arms["eagle"] = json.dumps({"method": "eagle", "model": eagle, "num_speculative_tokens": args.k})
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     rows: dict[tuple[str, str], list[dict]] = {}
     names = list(arms)

@@ -13,6 +13,12 @@ It writes a Hugging Face checkpoint (config, safetensors, the target's tokenizer
 reports the held-out KL and the greedy agreement rate (how often the draft's argmax is the target's:
 the acceptance rate of greedy requests, about).
 
+With --method eagle it trains an EAGLE head instead (serve/models/eagle.py): `fc` and one decoder layer
+on top of the target's own final hidden states, the target's embedding and LM head frozen and not saved;
+loss = KL(p_target || q_head) + smooth-L1 between the predicted and the target's next feature (EAGLE's
+two terms). --unroll 2 also trains on the head's own predicted features as input (what it reads from its
+second draft on). Serve it with '{"method": "eagle", "model": DIR, "num_speculative_tokens": 4}'.
+
     python scripts/distill_draft.py --out /tmp/draft --minutes 2          # a smoke run
     python scripts/distill_draft.py --out src/torchbridge/assets/default-draft --minutes 60
 
@@ -83,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from torchbridge.serve import default_model_dir
+    from torchbridge.train.eagle_head import EagleHead, eagle_loss
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=default_model_dir())
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model")
+    ap.add_argument("--unroll", type=int, default=2, help="eagle: passes over the head's own predictions")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time budget")
@@ -108,10 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     target_cfg = json.loads((args.target / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in draft_config(target_cfg, args.layers, args.intermediate_size).items()
                          if k not in ("architectures", "transformers_version")})
-    draft = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # start from the target's embedding (tied: also its output layer) and final norm
-        draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
-        draft.model.norm.weight.copy_(target.model.norm.weight)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if args.method == "eagle":
+        cfg.num_hidden_layers = 1
+        draft = EagleHead(cfg, target)
+        with torch.no_grad():  # start from the target's last layer (its input norm is dropped)
+            draft.body.layers[0].load_state_dict(target.model.layers[-1].state_dict(), strict=False)
+
+        def loss_of(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+            return eagle_loss(target, draft, ids, args.unroll)
+    else:
+        draft = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # start from the target's embedding (tied: also its output layer) and final norm
+            draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+            draft.model.norm.weight.copy_(target.model.norm.weight)
+
+        def loss_of(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+            return kl_and_agreement(target, draft, ids)
     n_params = sum(p.numel() for p in draft.parameters())
     print(f"draft: {args.layers} layer(s), {n_params / 1e6:.2f}M parameters; target "
           f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f}M", flush=True)
@@ -131,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = sampled_continuations(target, prompts, args.seq_len // 4, g)
         else:
             ids = windows(train, args.seq_len, args.batch_size, g)
-        loss, agree = kl_and_agreement(target, draft, ids)
+        loss, agree = loss_of(ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -141,14 +164,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}: KL {float(loss):.4f}, greedy agreement {agree:.3f}", flush=True)
     draft.eval()
     with torch.no_grad():
-        kl, agree = kl_and_agreement(target, draft, eval_ids)
+        kl, agree = loss_of(eval_ids)
     args.out.mkdir(parents=True, exist_ok=True)
-    draft.save_pretrained(args.out)
+    if args.method == "eagle":
+        from safetensors.torch import save_file
+
+        save_file(draft.state_for_checkpoint(), str(args.out / "model.safetensors"))
+        (args.out / "config.json").write_text(json.dumps(
+            {**{k: v for k, v in target_cfg.items() if k != "dtype"}, "num_hidden_layers": 1, "dtype": "float32",
+             "architectures": ["LlamaForCausalLM"]}, indent=2) + "\n")
+    else:
+        draft.save_pretrained(args.out)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (args.target / f).is_file():
             shutil.copy(args.target / f, args.out / f)
-    summary = {"target": str(args.target), "layers": args.layers, "parameters": n_params, "steps": step,
-               "minutes": round((time.monotonic() - t0) / 60, 2), "heldout_kl": round(float(kl), 4),
+    summary = {"target": str(args.target), "method": args.method, "layers": 1 if args.method == "eagle" else args.layers,
+               "parameters": n_params, "steps": step,
+               "minutes": round((time.monotonic() - t0) / 60, 2),
+               # eagle: KL + the features' smooth-L1, averaged over the unrolled passes
+               "heldout_kl" if args.method == "draft_model" else "heldout_loss": round(float(kl), 4),
                "heldout_greedy_agreement": round(agree, 4)}
     (args.out / "distill_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), flush=True)

@@ -236,7 +236,7 @@ def test_speculative_config_parsing(llama_dir: Path) -> None:
     # A model without a method is a draft model (vLLM's inference).
     cfg = SpeculativeConfig.parse({"model": str(llama_dir), "num_speculative_tokens": 2})
     assert cfg is not None and cfg.method == "draft_model"
-    for bad, words in [({"method": "eagle", "model": "x"}, "not implemented"),
+    for bad, words in [({"method": "eagle3", "model": "x"}, "not implemented"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "at least 1"),
                        ({"method": "draft_model", "model": "/nonexistent"}, "checkpoint directory"),
                        ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']")]:

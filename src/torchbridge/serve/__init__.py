@@ -16,6 +16,12 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
 
+def default_eagle_dir() -> Path:
+    """The EAGLE head bundled for the bundled model (scripts/distill_draft.py --method eagle made it):
+    `speculative_config={"method": "eagle", "model": str(default_eagle_dir())}`."""
+    return Path(__file__).resolve().parent.parent / "assets" / "default-eagle"
+
+
 def __getattr__(name: str) -> object:
     # The engine pulls in transformers (for the tokenizer); import it only when asked for.
     if name == "LLM":
@@ -25,4 +31,4 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "default_model_dir"]
+__all__ = ["LLM", "SamplingParams", "default_eagle_dir", "default_model_dir"]

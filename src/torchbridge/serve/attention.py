@@ -215,15 +215,19 @@ def paged_attention(
             o = decode_kernel(q.index_select(0, g.query_index.flatten()), k_cache, v_cache, g.block_tables, lens, scale)
             out.index_copy_(0, g.out_tokens, o.reshape(batch, num_heads * head_dim).index_select(0, g.out_cells))
             continue
-        qg = q.index_select(0, g.query_index.flatten()).view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+        # GQA without copying K/V per query head: the G query heads of a KV head become G x T query rows of
+        # that head (rows g * T + t), and the mask is repeated for them (repeat_interleave of the gathered
+        # K/V was ~100 us per call at a few hundred positions: most of a speculative verify step's attention).
+        group = num_heads // num_kv_heads
+        qg = q.index_select(0, g.query_index.flatten()).view(batch, max_q, num_kv_heads, group, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
         kv_shape = (batch, -1, num_kv_heads, head_dim)
         blocks = g.block_tables.flatten()
         kg = k_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)  # [B, KVH, L, D]
         vg = v_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)
-        if num_kv_heads != num_heads:
-            kg = kg.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            vg = vg.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
-        o = o.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
+        mask = g.mask if group == 1 else g.mask.repeat(1, 1, group, 1)  # [B, 1, G * T, L]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)  # [B, KVH, G * T, D]
+        o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.reshape(batch * max_q, num_heads * head_dim)
         out.index_copy_(0, g.out_tokens, o.index_select(0, g.out_cells))
     return out[:n]

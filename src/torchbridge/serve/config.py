@@ -218,10 +218,10 @@ class EngineConfig:
                                                         self.ngram_max)
             self.speculative_config.validate()
         if self.tensor_parallel_size > 1 and self.speculative_config is not None and (
-                self.speculative_config.method == "draft_model"):
+                self.speculative_config.method in ("draft_model", "eagle")):
             # the draft runs on rank 0's chip only and its steps are not in the plans the workers follow
-            raise ValueError("--speculative-config with method draft_model is not supported with "
-                             "--tensor-parallel-size > 1 yet (use method ngram, or one rank)")
+            raise ValueError(f"--speculative-config with method {self.speculative_config.method} is not supported "
+                             "with --tensor-parallel-size > 1 yet (use method ngram, or one rank)")
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
 

@@ -81,12 +81,14 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.runner = ModelRunner(config)
+        spec = config.speculative_config
+        # An EAGLE head drafts from the target's final hidden states: every step keeps them.
+        self.runner = ModelRunner(config, keep_hidden=spec is not None and spec.method == "eagle")  # type: ignore[attr-defined]
         self.kv_events = KVEventLog() if config.kv_events else None
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, eos)
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, self.runner.model)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._grammars = None  # structured_output.GrammarCompiler, made with the first constrained request
@@ -223,6 +225,7 @@ class LLMEngine:
             log.exception("model step failed; failing the %d request(s) in its batch", len(batch.items))
             failed = {it.seq.request_id for it in batch.items}
             return updates + [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
+        starts = [it.seq.num_computed_tokens for it in batch.items]  # (the first position fed, per item)
         new_tokens: dict[int, tuple[Sequence, list[int], list[dict]]] = {}
         plain: list[tuple[Sequence, int]] = []
         failed: dict[str, str] = {}
@@ -246,6 +249,8 @@ class LLMEngine:
                 failed[seq.request_id] = s
             else:
                 new_tokens[seq.seq_id] = (seq, [s.token_id], [s.logprob] if s.logprob else [])
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self._record_hidden(batch, starts, new_tokens)
         for seq, toks, lps in new_tokens.values():
             if seq.request_id in failed:
                 continue
@@ -256,6 +261,20 @@ class LLMEngine:
         for rid, message in failed.items():
             updates += self.fail_request(rid, message)
         return updates
+
+    def _record_hidden(self, batch: Batch, starts: list[int],
+                       new_tokens: dict[int, tuple[Sequence, list[int], list[dict]]]) -> None:
+        """Hand the step's final hidden states of the tokens each sequence kept (a prefill chunk's, the
+        decode token's and its accepted drafts') to the proposer."""
+        hidden = self.runner.last_hidden
+        assert hidden is not None
+        first = 0
+        for it, start in zip(batch.items, starts, strict=True):
+            kept = it.num_tokens
+            if it.draft_tokens and it.seq.seq_id in new_tokens:
+                kept += len(new_tokens[it.seq.seq_id][1]) - 1  # the accepted drafts
+            self.proposer.record(it.seq, hidden[first : first + kept], start)  # type: ignore[union-attr]
+            first += it.num_tokens + len(it.draft_tokens)
 
     def _sample(self, logits: torch.Tensor, plain: list[tuple[Sequence, int]]) -> list[Sampled | str]:
         """Sampled tokens of the plain rows, or an error message per row that failed. The batch is
@@ -305,7 +324,7 @@ class LLMEngine:
             log.exception("the draft model failed; these sequences decode without drafts this step")
             for it in items:
                 it.draft_tokens = it.seq.draft_tokens = []
-                it.seq.draft_num_computed = 0
+                it.seq.draft_num_computed, it.seq.spec_hidden = 0, None
             return {}
         return {it.seq.seq_id: q for it, q in zip(items, qs, strict=True) if q is not None}
 

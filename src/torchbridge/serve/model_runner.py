@@ -96,6 +96,7 @@ class StepInput:
     sample_index: torch.Tensor
     rows: list[tuple[int, int]]  # per batch item: (first row, row count) in the logits; count 0: none
     num_rows: int
+    features: torch.Tensor | None = None  # an EAGLE head's step: the target's features per token [N, hidden]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every index tensor of the step, in a fixed order (a compiled step's replay takes them so)."""
@@ -103,7 +104,7 @@ class StepInput:
         for g in self.meta.groups:
             if isinstance(g, AttentionGroup):
                 out += [g.query_index, g.block_tables, g.mask, g.out_tokens, g.out_cells]
-        return out
+        return out if self.features is None else [*out, self.features]
 
     def replay_key(self) -> tuple:
         """The step's shape bucket and the kinds of its attention groups: one compiled call each."""
@@ -112,8 +113,11 @@ class StepInput:
 
 
 def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-          meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
-    """One engine step: the model over every scheduled token, then the logits (float32) of the rows to sample."""
+          meta: AttentionMetadata, sample_index: torch.Tensor, features: torch.Tensor | None = None,
+          keep_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One engine step: the model over every scheduled token, then the logits (float32) of the rows to sample.
+    `features`: an EAGLE head's second input; `keep_hidden`: also return the final hidden states [N, hidden]
+    (the features an EAGLE head drafts from)."""
     # Index tensors built on the host (a compiled step's): moved here, inside the graph, so the backend
     # hands them to its executable as arguments, moved with the call in one batch (one transfer each
     # from Python cost ~0.35 ms; nine per step).
@@ -133,10 +137,14 @@ def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tens
             torch._check(g.mask.shape[0] == batch)
             torch._check(g.mask.shape[2] == max_q)
             torch._check(g.mask.shape[3] == g.block_tables.shape[1] * block_size)
-    hidden = model(input_ids, positions, kv_caches, meta)
+    if features is None:
+        hidden = model(input_ids, positions, kv_caches, meta)
+    else:
+        hidden = model(input_ids, positions, kv_caches, meta, features.to(device))
     # float32 here, inside the step: on a compiling device an eager `.float()` afterwards was a program of its
     # own per logits shape, compiled when the first request met that shape (warm-up does not sample)
-    return model.compute_logits(hidden[sample_index]).float()
+    logits = model.compute_logits(hidden[sample_index]).float()
+    return (logits, hidden) if keep_hidden else logits
 
 
 def _meta_on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -156,15 +164,16 @@ _MAX_STEP_GRAPHS = 512
 
 
 def _mark_bucket_sizes(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       sample_index: torch.Tensor) -> None:
+                       sample_index: torch.Tensor, features: torch.Tensor | None) -> None:
     """Mark the step's bucketed sizes (tokens, rows to sample, and per attention group its batch,
     query length, blocks and results) symbolic: Dynamo then traces one graph for all buckets, and the
     backend compiles it once per bucket (`symbolic_sizes="exact"`), where one trace per bucket cost ~5 s of
     start-up each. The KV cache and the weights keep static sizes."""
     from torch._dynamo import maybe_mark_dynamic
 
-    for t in (input_ids, positions, meta.slot_mapping, sample_index):
-        maybe_mark_dynamic(t, 0)
+    for t in (input_ids, positions, meta.slot_mapping, sample_index, features):
+        if t is not None:
+            maybe_mark_dynamic(t, 0)
     for g in meta.groups:
         if isinstance(g, AttentionGroup):
             maybe_mark_dynamic(g.query_index, (0, 1))
@@ -188,10 +197,11 @@ def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrap
     no_duck = fx_config.patch(use_duck_shape=False)
 
     def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-             meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
-        _mark_bucket_sizes(input_ids, positions, meta, sample_index)
+             meta: AttentionMetadata, sample_index: torch.Tensor, features: torch.Tensor | None = None,
+             keep_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _mark_bucket_sizes(input_ids, positions, meta, sample_index, features)
         with limits, no_duck:
-            return compiled(model, input_ids, positions, kv_caches, meta, sample_index)
+            return compiled(model, input_ids, positions, kv_caches, meta, sample_index, features, keep_hidden)
 
     return step
 
@@ -274,10 +284,16 @@ def _amx() -> bool:
 
 
 class ModelRunner:
-    """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers."""
+    """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers.
+    `target`: `config.model` is an EAGLE head for this (target) model, and each step takes its features.
+    `keep_hidden`: each step also keeps its final hidden states in `last_hidden` (an EAGLE head's features)."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None,
+                 target: torch.nn.Module | None = None, keep_hidden: bool = False) -> None:
         self.config = config
+        self.takes_features = target is not None
+        self.keep_hidden = keep_hidden
+        self.last_hidden: torch.Tensor | None = None  # [real tokens, hidden] of the last step, on the host
         self.workers = None
         self.tp: TPGroup = SINGLE
         if config.tensor_parallel_size > 1:
@@ -300,7 +316,7 @@ class ModelRunner:
         amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx,
-                                _wide_weights(self.device))
+                                _wide_weights(self.device), target)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]
@@ -481,11 +497,13 @@ class ModelRunner:
         )
         return (input_ids.shape[0], sample_index.shape[0], *groups)
 
-    def run(self, batch: Batch, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count)."""
+    def run(self, batch: Batch, pad: bool | None = None,
+            features: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Logits (fp32, on cpu) of the rows to sample, and each item's (first row, count). `features`: an
+        EAGLE head's, one row per token fed, in the batch's order."""
         step = plan(batch, self.block_size)
         if self.workers is None:
-            logits, rows = self.execute(step, pad)
+            logits, rows = self.execute(step, pad, features)
             return logits.float().cpu(), rows
         self.workers.send("execute", step, pad)
         try:
@@ -495,21 +513,34 @@ class ModelRunner:
         return logits.float().cpu(), rows
 
     @torch.inference_mode()
-    def execute(self, step: StepPlan, pad: bool | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def execute(self, step: StepPlan, pad: bool | None = None,
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """This rank's part of one step: the logits of the rows to sample (on the device, or on the host
         where the compiled step was replayed)."""
         inp = self.prepare(step, pad)
+        if self.takes_features:
+            if features is None:
+                raise ValueError("an EAGLE head's step needs the target's features")
+            n, real = inp.input_ids.shape[0], features.shape[0]
+            if real < n:  # padding rows: their outputs are dropped
+                features = torch.cat([features, features.new_zeros((n - real, features.shape[1]))])
+            inp.features = features.to(self.input_device)
         self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
-        logits = self._run_step(inp)
+        out = self._run_step(inp)
+        logits = out
+        if self.keep_hidden:
+            logits, hidden = out
+            self.last_hidden = hidden[: sum(len(s.tokens) for s in step)].cpu()
         num_real = sum(c for _, c in inp.rows)
         return logits[:num_real], inp.rows
 
-    def _run_step(self, inp: StepInput) -> torch.Tensor:
-        """The compiled (or eager) step on `inp`; replayed where this bucket's step was captured (its logits
-        then come back on the host: the caller copies them there next)."""
+    def _run_step(self, inp: StepInput) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The compiled (or eager) step on `inp`; replayed where this bucket's step was captured (its outputs
+        then come back on the host: the caller copies them there next). Logits, and with `keep_hidden` the
+        final hidden states."""
         replays = self._replays
         if replays is None:
-            return self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+            return self._call_step(inp)
         from torchbridge.compile import replay
 
         key, sources = inp.replay_key(), inp.host_tensors()
@@ -518,13 +549,17 @@ class ModelRunner:
         if rep is not None:
             out = rep(sources, host_outputs=True)
             if out is not None:
-                return out[0]
+                return (out[0], out[1]) if self.keep_hidden else out[0]
         elif known:  # (this bucket's step cannot be replayed: a graph break, say)
-            return self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+            return self._call_step(inp)
         with replay.capture() as cap:  # the bucket's first step, or a replay that no longer fits
-            logits = self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index)
+            out = self._call_step(inp)
         replays[key] = cap.replay(sources)
-        return logits
+        return out
+
+    def _call_step(self, inp: StepInput) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._step(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.sample_index,
+                          inp.features, self.keep_hidden)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); this runner cannot step afterwards."""
@@ -587,5 +622,9 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.input_device), groups=[group])
             ids, sample_index = zeros(n), zeros(_bucket(b if kind == "decode" else 1, MIN_BUCKET))
-            self._step(self.model, ids, zeros(n), self.kv_caches, meta, sample_index)
+            features = None
+            if self.takes_features:
+                features = torch.zeros((n, self.config.model_config.hidden_size), dtype=self.dtype,
+                                       device=self.input_device)
+            self._step(self.model, ids, zeros(n), self.kv_caches, meta, sample_index, features, self.keep_hidden)
             self.shapes_warmed.add(self.shape_key(ids, sample_index, meta))

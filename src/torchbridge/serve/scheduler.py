@@ -67,6 +67,7 @@ class Scheduler:
         self.bm.release(seq)
         seq.num_computed_tokens = 0
         seq.draft_num_computed = 0  # the draft model's K/V lived in the freed blocks too
+        seq.spec_hidden = None
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -56,8 +56,10 @@ class Sequence:
         self.emitted_text_len = 0
         self.num_emitted_tokens = 0
         self.draft_tokens: list[int] = []
-        # Tokens whose K/V the draft model (spec_decode.DraftModelProposer) has in its cache.
+        # Tokens whose K/V the draft model or EAGLE head (spec_decode) has in its cache.
         self.draft_num_computed = 0
+        # An EAGLE head's pending input: the target's final hidden states of the positions after those.
+        self.spec_hidden: torch.Tensor | None = None
         # The grammar matcher of a constrained request (structured_output), set by the engine.
         self.matcher: object | None = None
 

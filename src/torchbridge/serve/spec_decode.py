@@ -18,6 +18,9 @@ Proposers (`SpeculativeConfig.method`, vLLM's `--speculative-config` JSON):
 - "draft_model": a small model with the target's vocabulary (`model`: its checkpoint directory) runs
   k autoregressive steps on its own KV pool, which shares the target's block tables (same block ids,
   same block size), so it needs no allocator of its own.
+- "eagle": EAGLE's head (models/eagle.py; `model`: its checkpoint directory) drafts from the target's own
+  final hidden states, which the engine hands it after every step; its one-layer KV pool shares the
+  target's block tables the same way.
 
 Requests whose logits the sampler transforms with their history (penalties), bans (min_tokens), biases
 or a grammar decode one token at a time: their p at a draft position would depend on the drafts before
@@ -45,9 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 # vLLM's other methods, named so that a config written for vLLM gets a clear refusal, not a KeyError.
-_UNSUPPORTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+_UNSUPPORTED = ("eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass
@@ -56,7 +59,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft_model: the draft's checkpoint directory
+    model: str | None = None  # draft_model, eagle: the draft's (head's) checkpoint directory
     prompt_lookup_min: int = 1  # ngram: shortest n
     prompt_lookup_max: int = 3  # ngram: longest n
 
@@ -89,9 +92,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r}: expected one of {METHODS}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle"):
             if not self.model or not (Path(self.model) / "config.json").is_file():
-                raise ValueError(f"draft_model needs `model`: a Hugging Face checkpoint directory (got {self.model!r})")
+                raise ValueError(f"{self.method} needs `model`: a Hugging Face checkpoint directory (got {self.model!r})")
         elif not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max")
 
@@ -177,6 +180,7 @@ class NgramProposer:
     """Prompt lookup: called before scheduling, with the exact drafts (the scheduler budgets them)."""
 
     needs_model = False
+    needs_hidden = False
 
     def __init__(self, num_speculative_tokens: int, ngram_min: int = 1, ngram_max: int = 3) -> None:
         self.k = num_speculative_tokens
@@ -198,20 +202,22 @@ class NgramProposer:
 
 class _Extended:
     """A sequence's tokens followed by the drafts proposed so far, without copying the sequence's list:
-    what ModelRunner.prepare reads of `token_ids` (its length and slices)."""
+    what ModelRunner.prepare reads of `token_ids` (its length and slices). `shift` = 1: the tokens one
+    position ahead (an EAGLE head's input at position i is token i + 1)."""
 
-    __slots__ = ("base", "extra")
+    __slots__ = ("base", "extra", "shift")
 
-    def __init__(self, base: list[int], extra: list[int]) -> None:
-        self.base, self.extra = base, extra
+    def __init__(self, base: list[int], extra: list[int], shift: int = 0) -> None:
+        self.base, self.extra, self.shift = base, extra, shift
 
     def __len__(self) -> int:
-        return len(self.base) + len(self.extra)
+        return len(self.base) - self.shift + len(self.extra)
 
     def __getitem__(self, s: slice) -> list[int]:
-        n = len(self.base)
+        n = len(self.base) - self.shift
         start, stop, _ = s.indices(n + len(self.extra))
-        return self.base[start : min(stop, n)] + self.extra[max(start - n, 0) : max(stop - n, 0)]
+        return (self.base[start + self.shift : min(stop, n) + self.shift]
+                + self.extra[max(start - n, 0) : max(stop - n, 0)])
 
 
 @dataclass
@@ -233,6 +239,7 @@ class DraftModelProposer:
     added), then runs one token per step for every sequence still drafting."""
 
     needs_model = True
+    needs_hidden = False
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig) -> None:
         from torchbridge.serve.model_runner import ModelRunner
@@ -269,18 +276,8 @@ class DraftModelProposer:
             logits, rows = self.runner.run(batch)
             for i, (row, count) in zip(live, rows, strict=True):
                 assert count == 1
-                seq, view = items[i].seq, views[i]
-                view.num_computed_tokens = len(view.token_ids)
-                lg = logits[row : row + 1]
-                if seq.params.greedy:
-                    tok = int(lg.argmax(dim=-1))
-                else:
-                    # The draft samples with the request's own settings (temperature, top-k/p, min-p).
-                    q = sampler._probs(lg, [seq])
-                    tok = int(torch.multinomial(q[0], 1, generator=seq.generator or sampler.generator))
-                    q_rows[i].append(q[0])
-                drafts[i].append(tok)
-                view.token_ids.extra.append(tok)
+                views[i].num_computed_tokens = len(views[i].token_ids)
+                _draw(logits[row : row + 1], items[i].seq, sampler, views[i], drafts[i], q_rows[i])
         out: list[torch.Tensor | None] = []
         for i, it in enumerate(items):
             it.draft_tokens = drafts[i]
@@ -291,10 +288,121 @@ class DraftModelProposer:
         return out
 
 
-def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | None:
+def _draw(logits: torch.Tensor, seq: Sequence, sampler: Sampler, view: _DraftView, drafts: list[int],
+          q_rows: list[torch.Tensor]) -> None:
+    """The next draft from a proposer's logits [1, V]: the argmax for greedy requests; else sampled with the
+    request's own settings (temperature, top-k/p, min-p), keeping the distribution it came from."""
+    if seq.params.greedy:
+        tok = int(logits.argmax(dim=-1))
+    else:
+        q = sampler._probs(logits, [seq])
+        tok = int(torch.multinomial(q[0], 1, generator=seq.generator or sampler.generator))
+        q_rows.append(q[0])
+    drafts.append(tok)
+    view.token_ids.extra.append(tok)
+
+
+class EagleProposer:
+    """EAGLE's head (models/eagle.py) drafting from the target's features, after scheduling (the scheduler
+    reserves k slots, as for a draft model).
+
+    The head's one-layer KV pool has the target's block ids and is read through the target's block tables.
+    `seq.draft_num_computed` counts the positions whose head K/V came from the target's own features, and
+    `seq.spec_hidden` holds the target's features of the positions after them that the head has not been fed
+    (the engine passes every step's final hidden states to `record`). A proposal feeds those (with the next
+    tokens' ids), which drafts the first token, then k - 1 steps feed the head's own predicted feature; the
+    head's K/V of those positions is recomputed from the target's features at the next proposal.
+
+    Positions in a prefix-cache hit were never computed by the target in this sequence: the head starts
+    after them and reads whatever head K/V its pool holds in those blocks (the K/V of the sequence that
+    filled them). That costs acceptance at worst, never correctness: every draft is verified."""
+
+    needs_model = True
+    needs_hidden = True
+
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: torch.nn.Module) -> None:
+        from torchbridge.serve.model_runner import ModelRunner
+
+        self.k = spec.num_speculative_tokens
+        assert spec.model is not None
+        head_cfg = dataclasses.replace(
+            config, model=spec.model, decode_workspace=False, speculative_config=None, speculative_ngram=0,
+            kv_events=False, served_model_name=None)
+        mc, hc = config.model_config, head_cfg.model_config
+        if (hc.vocab_size, hc.hidden_size) != (mc.vocab_size, mc.hidden_size):
+            raise ValueError(f"the EAGLE head's vocabulary and width ({hc.vocab_size}, {hc.hidden_size}) differ from "
+                             f"the target's ({mc.vocab_size}, {mc.hidden_size})")
+        self.runner = ModelRunner(head_cfg, target=target, keep_hidden=True)
+
+    @staticmethod
+    def record(seq: Sequence, hidden: torch.Tensor, position: int) -> None:
+        """The target's final hidden states of `seq`'s tokens at `position`, `position` + 1, ... (only those it
+        kept: rejected drafts' rows are not passed)."""
+        if not eligible(seq):  # never drafts: nothing would consume them
+            seq.spec_hidden = None
+            return
+        h = seq.spec_hidden
+        if h is not None and seq.draft_num_computed + h.shape[0] == position:
+            seq.spec_hidden = torch.cat([h, hidden])
+        else:  # the sequence's first step here (after a prefix-cache hit, or a recompute): the head starts here
+            seq.spec_hidden = hidden.clone()
+            seq.draft_num_computed = position
+
+    def propose(self, items: list[ScheduledSeq], sampler: Sampler) -> list[torch.Tensor | None]:
+        """Fill each item's draft_tokens (their count was reserved by the scheduler); returns per item the
+        draft distributions [k, V] its drafts were sampled from (None for greedy rows: argmax drafts)."""
+        from torchbridge.serve.scheduler import Batch, ScheduledSeq
+
+        want = [len(it.draft_tokens) for it in items]
+        drafts: list[list[int]] = [[] for _ in items]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in items]
+        views: list[_DraftView | None] = []
+        features: list[torch.Tensor | None] = []
+        for i, it in enumerate(items):
+            seq = it.seq
+            h = seq.spec_hidden
+            if h is None or not h.shape[0] or seq.draft_num_computed + h.shape[0] != seq.num_computed_tokens:
+                want[i] = 0  # (no features for some positions before this one: no drafts this step)
+                views.append(None)
+                features.append(None)
+                continue
+            views.append(_DraftView(seq.seq_id, _Extended(seq.token_ids, [], shift=1), seq.draft_num_computed,
+                                    seq.block_table))
+            features.append(h)
+        for step in range(max(want, default=0)):
+            live = [i for i, w in enumerate(want) if w > step]
+            batch = Batch([ScheduledSeq(views[i], len(views[i].token_ids) - views[i].num_computed_tokens)  # type: ignore[arg-type, union-attr]
+                           for i in live])
+            logits, rows = self.runner.run(batch, features=torch.cat([features[i] for i in live]))  # type: ignore[misc]
+            hidden = self.runner.last_hidden
+            assert hidden is not None
+            end = 0
+            for i, (row, count) in zip(live, rows, strict=True):
+                assert count == 1
+                view = views[i]
+                assert view is not None
+                end += len(view.token_ids) - view.num_computed_tokens
+                features[i] = hidden[end - 1 : end]  # the predicted feature of the next position
+                view.num_computed_tokens = len(view.token_ids)
+                _draw(logits[row : row + 1], items[i].seq, sampler, view, drafts[i], q_rows[i])
+        out: list[torch.Tensor | None] = []
+        for i, it in enumerate(items):
+            seq = it.seq
+            it.draft_tokens = seq.draft_tokens = drafts[i]
+            if views[i] is not None:
+                # Head K/V from the target's features: every position before the one the target is fed now.
+                seq.draft_num_computed, seq.spec_hidden = seq.num_computed_tokens, None
+            out.append(torch.stack(q_rows[i]) if q_rows[i] else None)
+        return out
+
+
+def make_proposer(config: EngineConfig, target: torch.nn.Module) -> NgramProposer | DraftModelProposer | EagleProposer | None:
+    """`target`: the engine's model (an EAGLE head shares its embedding and LM head)."""
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "eagle":
+        return EagleProposer(config, spec, target)
     return DraftModelProposer(config, spec)

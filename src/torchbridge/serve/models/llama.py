@@ -315,12 +315,16 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Returns the final hidden states [N, hidden]; call `compute_logits` on the rows to sample."""
-        x = self.model.embed_tokens(input_ids)
+        return self.model.norm(self.run_layers(self.model.embed_tokens(input_ids), positions, kv_caches, meta))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers over the flat tokens' inputs `x` [N, hidden] at `positions`."""
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
-        return self.model.norm(x)
+        return x
 
     def fuse(self) -> None:
         """Fuse projections for inference; the per-projection weights are dropped to save memory."""

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from torchbridge.serve.config import ModelConfig
 from torchbridge.serve.linear import pack, widen
+from torchbridge.serve.models import eagle
 from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
 from torchbridge.serve.parallel import SINGLE, TPGroup, shard
 
@@ -32,16 +33,26 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
-    tp: TPGroup = SINGLE, amx: bool = False, wide: bool = False,
+    tp: TPGroup = SINGLE, amx: bool = False, wide: bool = False, target: LlamaForCausalLM | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint in `model_dir` as the engine's model on `device`. `amx`: bf16 linears also as AMX tiles
-    (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`)."""
+    (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`). With `target`, the
+    checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
+    rename, shared = (lambda name: name), ()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
+        if target is None:
+            model = LlamaForCausalLM(cfg, max_positions, tp)
+        else:
+            if tp.size > 1:
+                raise ValueError("an EAGLE head runs on one rank")
+            names = {eagle.checkpoint_name(n) for n, _ in _checkpoint_tensors(model_dir)}
+            model = eagle.EagleHead(cfg, max_positions, fc_bias="model.fc.bias" in names)
+            rename, shared = eagle.checkpoint_name, eagle.SHARED
     params = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(model_dir):
+        name = rename(name)
         m = _FUSED_EXPERTS.match(name)
         if m:
             prefix, kind = m.groups()
@@ -56,7 +67,8 @@ def load_model(
             state[name] = tensor
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-    missing = [n for n in params if n not in state and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    missing = [n for n in params if n not in state and n not in shared
+               and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
     for name, tensor in state.items():
@@ -71,7 +83,7 @@ def load_model(
         for name, p in model.named_parameters():
             if name in state:
                 p.copy_(state[name])
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and target is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers were only shapes on meta; rope tables stay fp32 and are cast per step.
     cos, sin = rope_tables(cfg, max_positions)
@@ -80,4 +92,7 @@ def load_model(
     pack(model, amx)  # on the cpu: weights laid out once for oneDNN, and AMX if asked (serve/linear.py)
     if wide:
         widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
+    if isinstance(model, eagle.EagleHead):
+        assert target is not None
+        model.share(target, own_embedding="model.embed_tokens.weight" in state)
     return model.eval()
