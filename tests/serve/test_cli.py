@@ -27,7 +27,7 @@ def test_missing_model_fails_with_a_clear_message(tmp_path: Path, capsys: pytest
 
 
 def test_bad_speculative_config_fails_with_a_clear_message(llama_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["--model", str(llama_dir), "--speculative-config", '{"method": "eagle", "model": "x"}']) == 2
+    assert main(["--model", str(llama_dir), "--speculative-config", '{"method": "eagle3", "model": "x"}']) == 2
     assert "not implemented" in capsys.readouterr().err
     assert main(["--model", str(llama_dir), "--speculative-config", "{not json"]) == 2
     assert "torchbridge serve:" in capsys.readouterr().err

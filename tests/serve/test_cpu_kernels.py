@@ -105,6 +105,32 @@ def test_the_engine_decodes_through_the_kernel_on_cpu(tmp_path) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 6) for p in prompts]
 
 
+def test_a_few_queries_per_sequence_attend_as_kernel_rows(tmp_path) -> None:
+    """Prompts of up to KERNEL_MAX_QUERIES tokens and speculative verify steps (here n-gram, 4 tokens) go
+    through the decode kernel, one row per token with its own causal context; tokens equal HF's."""
+    from serve_support import hf_greedy, save_model
+
+    from torchbridge.serve import LLM, SamplingParams
+    from torchbridge.serve.attention import AttentionGroup, PagedDecodeGroup
+    from torchbridge.serve.model_runner import KERNEL_MAX_QUERIES
+
+    model_dir = save_model(tmp_path, "llama", None, seed=3)
+    llm = LLM(str(model_dir), block_size=4, num_blocks=128, max_model_len=96, speculative_ngram=3)
+    runner = llm.engine.runner
+    steps = []
+    prepare = runner.prepare
+    runner.prepare = lambda *a, **k: (lambda inp: steps.append(inp) or inp)(prepare(*a, **k))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 9, 10, 11, 12], [20, 21, 22, 23] * 4]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 16) for p in prompts]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    first = steps[0].meta.groups  # the three prefills: two short ones as kernel rows, the long one gathered
+    kernel = [g for g in first if isinstance(g, PagedDecodeGroup)]
+    assert len(kernel) == 1 and kernel[0].context_lens.tolist() == [1, 2, 3] + list(range(1, 9))
+    assert sum(isinstance(g, AttentionGroup) for g in first) == 1 and len(prompts[2]) > KERNEL_MAX_QUERIES
+    assert all(isinstance(g, PagedDecodeGroup) for inp in steps[1:] for g in inp.meta.groups)
+
+
 # ---- RMSNorm and rotary (serve/csrc/pointwise.cpp) against Hugging Face's own modules ----------------
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
        torch.float16: dict(atol=1e-3, rtol=1e-3)}

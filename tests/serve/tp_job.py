@@ -45,9 +45,9 @@ def run(model_dir: str, tp: int, device: str, **engine_args: object) -> dict:
     steps: list[tuple[int, int]] = []  # per step: (decode items, prefill-chunk items)
     execute = runner.execute
 
-    def recorded(step, pad=None):  # noqa: ANN001, ANN202
+    def recorded(step, *args):  # noqa: ANN001, ANN002, ANN202
         steps.append((sum(len(s.tokens) == 1 for s in step), sum(len(s.tokens) > 1 for s in step)))
-        return execute(step, pad)
+        return execute(step, *args)
 
     runner.execute = recorded
     rounds, reasons = [], []

@@ -60,6 +60,10 @@ def _token_bucket(n: int, decode_only: bool) -> int:
 # together, was four structures where two remain); one padding row or block costs next to nothing (a
 # memory-bound decode step reads the same weights for 2 rows as for 1; vLLM's TPU runner pads to 8 rows).
 MIN_BUCKET = 2
+# A sequence with at most this many tokens in a step attends through the cpu decode kernel, a row per token
+# (reading the paged cache in place), instead of gathering its context for SDPA: single-user speculative
+# verify steps (k + 1 tokens) on the bundled model spent most of their attention time in that gather.
+KERNEL_MAX_QUERIES = 8
 
 
 @dataclass
@@ -363,6 +367,10 @@ class ModelRunner:
             ctx = start + len(toks)
             if (use_ws or use_kernel) and len(toks) == 1:
                 decodes.append((seq, first, start))
+            elif use_kernel and len(toks) <= KERNEL_MAX_QUERIES:
+                # A few queries (a speculative verify, a short chunk): one decode row each, its context
+                # ending at its own position (causal; the step's K/V are in the cache before attention).
+                decodes.extend((seq, first + j, start + j) for j in range(len(toks)))
             else:
                 groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table))
             k = seq.num_samples
