@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model")
     ap.add_argument("--unroll", type=int, default=2, help="eagle: passes over the head's own predictions")
+    ap.add_argument("--init", type=Path, default=None, help="eagle: continue from this head checkpoint")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time budget")
@@ -122,8 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "eagle":
         cfg.num_hidden_layers = 1
         draft = EagleHead(cfg, target)
-        with torch.no_grad():  # start from the target's last layer (its input norm is dropped)
+        with torch.no_grad():  # start from the target's last layer (its input norm is dropped), or a head
             draft.body.layers[0].load_state_dict(target.model.layers[-1].state_dict(), strict=False)
+            if args.init is not None:
+                from safetensors.torch import load_file
+
+                state = {k: v.float() for k, v in load_file(str(args.init / "model.safetensors")).items()}
+                draft.fc.weight.copy_(state.pop("fc.weight"))
+                draft.body.layers.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
 
         def loss_of(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
             return eagle_loss(target, draft, ids, args.unroll)

@@ -167,3 +167,22 @@ def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path: Path, llama_di
         LLM(str(llama_dir), speculative_config=eagle(tmp_path))
     with pytest.raises(ValueError, match="eagle needs `model`"):
         LLM(str(llama_dir), speculative_config={"method": "eagle"})
+
+
+def test_eagle_on_the_bridge_device(llama_dir: Path, head_dir: Path) -> None:
+    """On the bridge's device both steps are compiled and replayed per bucket; the target's step then also
+    returns its hidden states, and the head's step takes them as an input: tokens still equal HF's."""
+    import torchbridge
+
+    if torchbridge.registration_error() is not None:  # pragma: no cover - depends on the host
+        pytest.skip(f"device backend unavailable: {torchbridge.registration_error()}")
+    llm = LLM(str(llama_dir), device=torchbridge.device_name(), block_size=16, num_blocks=24, max_model_len=48,
+              max_num_seqs=2, speculative_config=eagle(head_dir))
+    assert llm.engine.runner.config.compile_model and llm.engine.proposer.runner.config.compile_model
+    prompts = mixed_prompts(2, seed=5, hi=16)
+    for _ in range(2):  # the second time through replays
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    for runner in (llm.engine.runner, llm.engine.proposer.runner):  # both steps' buckets replay
+        assert any(rep is not None for rep in runner._replays.values())
