@@ -4,7 +4,9 @@
   own length) vs `scaled_dot_product_attention` over the decode workspace's contiguous rows (padded to
   the step's longest context), for MHA and GQA shapes, fp32 and bf16;
 - linears: oneDNN pre-packed weights (serve/linear.py) vs `F.linear`, the bench model's five weight
-  shapes summed, 1 to 1024 rows;
+  shapes summed, 1 to 1024 rows, with the weights in cache (the same layers every call) and "cold" at
+  decode's 1-8 rows (each call a different copy of the layers, copies summing to > 64 MB: a model's
+  weights as a decode step reads them, from memory, for the bench and the bundled model's shapes);
 - AMX linears (bf16, where the CPU has AMX): `torchbridge_serve::amx_linear` vs oneDNN's packed call at a
   decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
@@ -77,6 +79,35 @@ def linear_cases(dtype: torch.dtype):  # noqa: ANN201
                lambda xs=xs: [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)])
 
 
+COLD_ROWS = [1, 2, 4, 8]
+COLD_BYTES = 64 << 20  # beyond any L3 this bench runs on: each copy is read from memory
+
+
+def cold_linear_cases(dtype: torch.dtype):  # noqa: ANN201
+    from torchbridge.serve.linear import Linear, pack
+
+    for model, shapes in (("bench model", LINEAR_SHAPES), ("bundled model", BUNDLED_SHAPES)):
+        size = sum(i * o for i, o in shapes) * dtype.itemsize
+        copies = [torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+                  for _ in range(-(-COLD_BYTES // size))]
+        plain = [[layer.weight.detach().clone() for layer in layers] for layers in copies]
+        for layers in copies:
+            pack(layers)
+        for rows in COLD_ROWS:
+            xs = [torch.randn(rows, i).to(dtype) for i, _ in shapes]
+            turn = iter(range(1 << 62))
+
+            def old(xs=xs, plain=plain, turn=turn) -> None:  # noqa: ANN001
+                ws = plain[next(turn) % len(plain)]
+                [F.linear(x, w) for x, w in zip(xs, ws, strict=True)]
+
+            def new(xs=xs, copies=copies, turn=turn) -> None:  # noqa: ANN001
+                layers = copies[next(turn) % len(copies)]
+                [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)]
+
+            yield f"{model}, cold, {rows} rows ({len(copies)} copies)", old, new
+
+
 def amx_cases(dtype: torch.dtype):  # noqa: ANN201
     from torchbridge.serve.linear import Linear, pack
 
@@ -101,7 +132,8 @@ def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
     assert cpu_kernels.available() is None, cpu_kernels.available()
     out = []
     parts = [("decode attention", attention_cases, (torch.float32, torch.bfloat16)),
-             ("linears", linear_cases, (torch.float32, torch.bfloat16))]
+             ("linears", linear_cases, (torch.float32, torch.bfloat16)),
+             ("linears", cold_linear_cases, (torch.float32, torch.bfloat16))]
     if cpu_kernels.amx_available():
         parts.append(("AMX linears", amx_cases, (torch.bfloat16,)))
     else:
@@ -122,6 +154,16 @@ def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
     return out
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -132,7 +174,7 @@ def main() -> None:
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds} --write {args.write}`", "",
-                 f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, "
+                 f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
                  "| part | dtype | case | old ms | new ms | old / new (range) |", "|---|---|---|---:|---:|---:|"]
         for part, dt, name, o, n, r in rows:
@@ -141,7 +183,7 @@ def main() -> None:
         lines += ["", "Old: decode attention is `scaled_dot_product_attention` over the decode workspace (contiguous "
                   "rows padded to the step's longest context); linears are `F.linear`. New: "
                   "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
-                  "(fp32 one-row calls stay on `F.linear` by design). AMX linears: old is the oneDNN packed call, new "
+                  "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). AMX linears: old is the oneDNN packed call, new "
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp); both on the same layers, weights "
                   "packed once."]
         args.write.write_text("\n".join(lines) + "\n")

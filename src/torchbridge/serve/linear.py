@@ -6,10 +6,14 @@ at load (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's freezing pas
 reason), and the layer then multiplies through `torch.ops.mkldnn._linear_pointwise`. Measured on the
 bench model's five weight shapes (bench/bench_serve_kernels.py, docs/benchmarks/serve_kernels.md): bf16
 1.2-1.6x F.linear from 1 to 512 rows; fp32 1.6x at 8 rows, level from 32 rows up (0.99-1.06x in that
-run, 1.2-1.4x in an earlier one), slower at one row (0.8-0.95x), where MKL's matrix-vector path wins, so
-fp32 keeps the plain weight for one-row calls (its linears take twice the memory). In bf16/fp16 the plain
-weight is released (left on the meta device, for its shape), unless another module shares it (tied
-embeddings).
+run, 1.2-1.4x in an earlier one) on an Intel Xeon, where fp32 one-row calls with the weights in cache were
+faster through F.linear (the packed call 0.8-0.95x). On an AMD EPYC (AVX2) MKL, behind F.linear, is
+2.0-3.4x slower than the packed call at every row count from 1 to 1024, in cache or not (the "cold"
+cases read each weight from memory, as a decode step of a model larger than the cache does), and
+single-user decode got 1.16x (bundled model) and 1.69x (bench model) faster when its one-row calls moved
+to the packed weight (2026-12-04, docs/benchmarks/serve_kernels_avx2.md). So every call uses the packed
+weight and the plain one is released (left on the meta device, for its shape) unless another module
+shares it (tied embeddings): the linears hold their weights once, not twice.
 
 On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a third form for bf16:
 `pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most
@@ -56,7 +60,9 @@ class Linear(nn.Linear):
             return F.linear(x.float(), self.wide, bias).to(x.dtype)
         if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
             return cpu_kernels.amx_linear(x, self.tiles, self.bias)
-        if self.packed is not None and (x.dtype != torch.float32 or x.numel() > x.shape[-1]):
+        if self.packed is not None:
+            if not x.numel():  # (oneDNN refuses zero rows)
+                return x.new_zeros(*x.shape[:-1], self.out_features)
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
@@ -109,8 +115,7 @@ def pack(model: nn.Module, amx: bool = False) -> int:
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         if amx and _amx_fits(w, m.bias):
             m.tiles = amx_layout(w.detach())
-        if w.dtype != torch.float32:
-            _release(m, shared)
+        _release(m, shared)
         n += 1
     return n
 
