@@ -155,13 +155,16 @@ def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
 
 
 def cpu_name() -> str:
+    """The CPU's model name, family and the vector extensions the kernels care about (the same model name
+    covers AVX2-only and AVX-512 parts)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or "cpu"
+        return platform.processor() or "cpu"
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info[:40]) if v}
+    flags = set(field.get("flags", "").split())
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{field.get('model name', 'cpu')} (family {field.get('cpu family', '?')}; {', '.join(have) or 'no AVX2'})"
 
 
 def main() -> None:

@@ -7,11 +7,11 @@ reason), and the layer then multiplies through `torch.ops.mkldnn._linear_pointwi
 bench model's five weight shapes (bench/bench_serve_kernels.py, docs/benchmarks/serve_kernels.md): bf16
 1.2-1.6x F.linear from 1 to 512 rows; fp32 1.6x at 8 rows, level from 32 rows up (0.99-1.06x in that
 run, 1.2-1.4x in an earlier one) on an Intel Xeon, where fp32 one-row calls with the weights in cache were
-faster through F.linear (the packed call 0.8-0.95x). On an AMD EPYC (AVX2) MKL, behind F.linear, is
+faster through F.linear (the packed call 0.8-0.95x). On an AMD EPYC (Zen 5) MKL, behind F.linear, is
 2.0-3.4x slower than the packed call at every row count from 1 to 1024, in cache or not (the "cold"
 cases read each weight from memory, as a decode step of a model larger than the cache does), and
 single-user decode got 1.16x (bundled model) and 1.69x (bench model) faster when its one-row calls moved
-to the packed weight (2026-12-04, docs/benchmarks/serve_kernels_avx2.md). So every call uses the packed
+to the packed weight (2026-12-04, docs/benchmarks/serve_kernels_zen5.md). So every call uses the packed
 weight and the plain one is released (left on the meta device, for its shape) unless another module
 shares it (tied embeddings): the linears hold their weights once, not twice.
 
