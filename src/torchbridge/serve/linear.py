@@ -10,10 +10,10 @@ run, 1.2-1.4x in an earlier one) on an Intel Xeon, where fp32 one-row calls with
 faster through F.linear (the packed call 0.8-0.95x). On an AMD EPYC (Zen 5) MKL, behind F.linear, is
 2.0-3.4x slower than the packed call at every row count from 1 to 1024, in cache or not (the "cold"
 cases read each weight from memory, as a decode step of a model larger than the cache does), and
-single-user decode got 1.0-1.16x (bundled model, in cache) and 1.69-1.93x (bench model) faster when its one-row calls moved
-to the packed weight (2026-12-04, docs/benchmarks/serve_kernels_zen5.md). So every call uses the packed
-weight and the plain one is released (left on the meta device, for its shape) unless another module
-shares it (tied embeddings): the linears hold their weights once, not twice.
+single-user decode got 1.0-1.16x (bundled model, in cache) and 1.69-1.93x (bench model) faster when
+its one-row calls moved to the packed weight (2026-12-04, docs/benchmarks/serve_kernels_zen5.md). So
+every call uses the packed weight and the plain one is released (left on the meta device, for its
+shape) unless another module shares it (tied embeddings): the linears hold their weights once, not twice.
 
 On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a third form for bf16:
 `pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most
