@@ -38,7 +38,7 @@ def test_packed_matches_float64_reference(dtype: torch.dtype, atol: float, rows:
     # the tied weight is still the embedding's; the plain copy of the others is dropped (every call is packed)
     assert model.head.weight.device.type == "cpu" and model.head.weight is model.embed.weight
     assert model.up.weight.device.type == "meta"
-    # zero rows (oneDNN refuses them): an empty result of the right shape
+    # zero rows (a step with nothing for this layer): an empty result of the right shape
     assert model.up(torch.randn(0, 32).to(dtype)).shape == (0, 48)
 
 

@@ -61,8 +61,6 @@ class Linear(nn.Linear):
         if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
             return cpu_kernels.amx_linear(x, self.tiles, self.bias)
         if self.packed is not None:
-            if not x.numel():  # (oneDNN refuses zero rows)
-                return x.new_zeros(*x.shape[:-1], self.out_features)
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
