@@ -19,6 +19,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from torchbridge import host_allocator
+
 _error: BaseException | None = None
 _attempted = False
 
@@ -40,6 +42,7 @@ def register() -> None:
     if _attempted:
         return
     _attempted = True
+    host_allocator.configure()
     try:
         from torchbridge.device import registration
 
@@ -57,8 +60,12 @@ def register() -> None:
 
 
 def autoload() -> None:
-    """The `torch.backends` entry point: called by `import torch`."""
-    if os.environ.get("TORCHBRIDGE_NO_DEVICE") != "1" and not _is_torchrun_launcher():
+    """The `torch.backends` entry point: called by `import torch`. The host allocator policy applies
+    with or without the device (the engine on `cpu` allocates the same way step after step)."""
+    if _is_torchrun_launcher():
+        return
+    host_allocator.configure()
+    if os.environ.get("TORCHBRIDGE_NO_DEVICE") != "1":
         register()
 
 

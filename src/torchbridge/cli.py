@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 _COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -30,4 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     ns, rest = parser.parse_known_args(argv[:1])
     module, func, _ = _COMMANDS[ns.command]
+    if ns.command == "train":
+        # a training step frees and re-allocates the same large buffers: keep them (host_allocator.py);
+        # set before torch is imported, and inherited by the ranks torchrun starts
+        os.environ.setdefault("TORCHBRIDGE_HOST_ALLOCATOR", "keep")
+        from torchbridge import host_allocator
+
+        host_allocator.configure()
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)

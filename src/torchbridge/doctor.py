@@ -30,5 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         choice = "PyTorch's" if host_calls.gemm_enabled() else "XLA's"
         print(f"products    {choice} GEMM (measured: PyTorch {probe['torch_ms']:.2f} ms, XLA {probe['xla_ms']:.2f} ms"
               f" for {'x'.join(map(str, host_calls.GEMM_PROBE))}; TORCHBRIDGE_HOST_GEMM=1/0 forces)")
+    from torchbridge import host_allocator
+
+    kept = host_allocator.state() == "keep"
+    print(f"host memory {'freed blocks kept for reuse' if kept else 'glibc defaults'} (TORCHBRIDGE_HOST_ALLOCATOR="
+          f"{host_allocator.state()}; 'keep' saves training steps their page faults, see host_allocator.py)")
     print(f"smoke test  {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1
