@@ -106,6 +106,25 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+PAIRS = (("fused", "compiled", "fused eager time / bridge compiled time (issue 18: <= 1.25x)"),
+         ("inductor", "compiled", "Inductor time / bridge compiled time (bridge speed-up)"))
+
+
+def ratio_table(results: dict) -> str:
+    """Ratios between arms, per policy: each round's two processes paired (median, range over rounds)."""
+    lines = ["| ratio | work | keep (median, range) | default (median, range) |", "|---|---|---:|---:|"]
+    for num, den, label in PAIRS:
+        if num not in results or den not in results:
+            continue
+        for w in WORK:
+            cells = []
+            for policy in ("keep", "default"):
+                r = [a[w]["ms"] / b[w]["ms"] for a, b in zip(results[num][policy], results[den][policy], strict=True)]
+                cells.append(f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
+            lines.append(f"| {label} | {w} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -134,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{w} {res[w]['ms']:7.1f} ms ({res[w]['faults']:.0f} faults)" for w in WORK), flush=True)
     load1 = os.getloadavg()
     text = table(results)
+    ratios = ratio_table(results)
+    if ratios:
+        text += "\n\nBetween arms, each arm in its own process (no other model's allocations in its heap):\n\n" + ratios
     print(text)
     if args.write:
         cmd = "python bench/bench_host_allocator.py " + " ".join(a for a in (argv or sys.argv[1:]) if a)
