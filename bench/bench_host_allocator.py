@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 ARMS = ("cpu", "inductor", "eager", "fused", "compiled")
 WORK = ("fwd_b8", "train_step")
@@ -32,11 +31,9 @@ def child(arm: str, warmup: int, iters: int) -> dict:
     import torch
 
     import torchbridge
+    from bench_compile import make_model  # bench/ is the script's directory, so on sys.path
     from torchbridge import host_allocator
     from torchbridge.device import eager_mode
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_compile import make_model
 
     dev = "cpu" if arm in ("cpu", "inductor") else torchbridge.device_name()
     m = make_model(quick=False).train().to(dev)

@@ -60,8 +60,8 @@ def register() -> None:
 
 
 def autoload() -> None:
-    """The `torch.backends` entry point: called by `import torch`. The host allocator policy applies
-    with or without the device (the engine on `cpu` allocates the same way step after step)."""
+    """The `torch.backends` entry point: called by `import torch`. The host allocator policy, when asked
+    for, applies with or without the device (PyTorch's own CPU training steps page-fault the same way)."""
     if _is_torchrun_launcher():
         return
     host_allocator.configure()
