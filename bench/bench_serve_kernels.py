@@ -8,7 +8,10 @@
   decode's 1-8 rows (each call a different copy of the layers, copies summing to > 64 MB: a model's
   weights as a decode step reads them, from memory, for the bench and the bundled model's shapes);
 - AMX linears (bf16, where the CPU has AMX): `torchbridge_serve::amx_linear` vs oneDNN's packed call at a
-  decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model.
+  decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model;
+- device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
+  model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
+  ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
     python bench/bench_serve_kernels.py [--rounds 5] [--write docs/benchmarks/serve_kernels.md]
@@ -126,7 +129,37 @@ def amx_cases(dtype: torch.dtype):  # noqa: ANN201
             yield (f"{model}, {rows} rows", lambda xs=xs: with_tiles(False, xs), lambda xs=xs: with_tiles(True, xs))
 
 
-def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
+def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
+    import torchbridge
+
+    dev = torchbridge.device_name()
+    g = torch.Generator().manual_seed(0)
+    torch._dynamo.config.recompile_limit = 64  # one static program per model and row count, on purpose
+    for model, shapes in (("bundled model", BUNDLED_SHAPES[:4] * 4 + BUNDLED_SHAPES[4:]),
+                          ("bench model", LINEAR_SHAPES[:4] * 4 + LINEAR_SHAPES[4:])):  # 4 layers + LM head
+        plain = [torch.randn(o, i, generator=g).to(dtype).to(dev) for i, o in shapes]
+        wts = [w.t().contiguous() for w in plain]
+
+        @torch.compile(backend="tpu", dynamic=False)
+        def old(xs: list[torch.Tensor], ws: list[torch.Tensor] = plain) -> list[torch.Tensor]:
+            return [F.linear(x, w) for x, w in zip(xs, ws, strict=True)]
+
+        @torch.compile(backend="tpu", dynamic=False)
+        def new(xs: list[torch.Tensor], ws: list[torch.Tensor] = wts) -> list[torch.Tensor]:
+            return [x @ w for x, w in zip(xs, ws, strict=True)]
+
+        for rows in (1, 2, 4, 8, 32, 128, 512):
+            xs = [torch.randn(rows, i, generator=g).to(dtype).to(dev) for i, _ in shapes]
+            torch.testing.assert_close(old(xs)[-1].cpu(), new(xs)[-1].cpu(), rtol=1e-4, atol=1e-3)
+
+            def sync(fn, xs=xs) -> None:  # noqa: ANN001
+                fn(xs)[-1].cpu()  # the program's last output back: the whole program has run
+
+            yield (f"{model}, {len(shapes)} linears, {rows} rows", lambda sync=sync, old=old: sync(old),
+                   lambda sync=sync, new=new: sync(new))
+
+
+def run(rounds: int, device_linears: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -138,6 +171,8 @@ def run(rounds: int) -> list[tuple[str, str, str, float, float, list[float]]]:
         parts.append(("AMX linears", amx_cases, (torch.bfloat16,)))
     else:
         print("no AMX-BF16 on this CPU: the AMX part is not run")
+    if device_linears:
+        parts = [("device linears", device_linear_cases, (torch.float32,))]
     for part, cases, dtypes in parts:
         for dtype in dtypes:
             for name, old, new in cases(dtype):
@@ -171,12 +206,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", type=Path, default=None)
+    ap.add_argument("--device-linears", action="store_true",
+                    help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds)
+    rows = run(args.rounds, args.device_linears)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
-                 f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds} --write {args.write}`", "",
+                 f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
+                 f"{' --device-linears' if args.device_linears else ''} --write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
                  "| part | dtype | case | old ms | new ms | old / new (range) |", "|---|---|---|---:|---:|---:|"]
@@ -188,7 +226,9 @@ def main() -> None:
                   "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
                   "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). AMX linears: old is the oneDNN packed call, new "
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp); both on the same layers, weights "
-                  "packed once."]
+                  "packed once. Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
+                  "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
+                  "time includes its call and the last output's copy back."]
         args.write.write_text("\n".join(lines) + "\n")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchbridge.serve.linear import Linear, pack, packing_supported, widen
+from torchbridge.serve.linear import Linear, pack, packing_supported, transpose, widen
 
 
 class TwoLayers(nn.Module):
@@ -62,6 +62,34 @@ def test_widened_linear_is_the_16bit_product_rounded_once(dtype: torch.dtype, ro
     assert model.head.weight is model.embed.weight and model.head.weight.device.type == "cpu"
     # float32 layers are left alone
     assert widen(TwoLayers(torch.float32)) == 0
+
+
+@pytest.mark.parametrize("dtype,wide", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_transposed_linear_matches_float64_reference(dtype: torch.dtype, wide: bool, rows: int) -> None:
+    """`transpose` (the bridge's device over JAX's CPU platform): the weight held as [in, out] gives x @ W.T + b
+    (float64 reference), for 2-d and 3-d inputs and zero rows; 16-bit layers widened to float32 when asked
+    (the product then rounded once, as `widen`), kept 16-bit otherwise; the tied head keeps the embedding's
+    table as well."""
+    torch.manual_seed(rows)
+    model = TwoLayers(dtype)
+    w, b = model.up.weight.detach().double().clone(), model.up.bias.detach().double().clone()
+    tied = model.head.weight.detach().double().clone()
+    assert transpose(model, wide) == 2
+    wdt = torch.float32 if wide else dtype
+    assert model.up.wt.shape == (32, 48) and model.up.wt.dtype == wdt and model.up.wt.is_contiguous()
+    assert model.head.wt.shape == (32, 50) and model.up.weight.device.type == "meta"
+    assert model.head.weight is model.embed.weight and model.head.weight.device.type == "cpu"
+    # Error bounds relative to sum |x| |w| (cancellation makes |ref| alone too tight for 16-bit sums):
+    # one rounding of the result when widened, a 16-bit dot's own accumulation otherwise.
+    tol = 1e-6 if dtype == torch.float32 else (torch.finfo(dtype).eps if wide else 32 * torch.finfo(dtype).eps)
+    for x in (torch.randn(rows, 32).to(dtype), torch.randn(2, rows, 32).to(dtype)):
+        xd = x.double()
+        for y, ref, scale in ((model.up(x), xd @ w.T + b, xd.abs() @ w.abs().T + b.abs()),
+                              (model.head(x), xd @ tied.T, xd.abs() @ tied.abs().T)):
+            assert y.dtype == dtype and y.shape == ref.shape
+            assert ((y.double() - ref).abs() <= scale * tol).all(), ((y.double() - ref).abs() / scale).max()
+    assert model.up(torch.randn(0, 32).to(dtype)).shape == (0, 48)
 
 
 def test_pack_widens_16bit_layers_where_onednn_has_no_16bit_gemm() -> None:

@@ -267,6 +267,13 @@ def _wide_weights(device: torch.device) -> bool:
     return _bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_WIDE", "1") != "0"
 
 
+def _transposed_weights(device: torch.device) -> bool:
+    """Whether linears keep their weights as [in, out] (serve/linear.py `transpose`): on the bridge's device over
+    JAX's CPU platform, whose dot at a decode step's rows is about twice as fast with that layout.
+    TORCHBRIDGE_SERVE_TRANSPOSE=0 keeps nn.Linear's [out, in] (for A/B measurements)."""
+    return _bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_TRANSPOSE", "1") != "0"
+
+
 def _replaying(device: torch.device) -> bool:
     """Whether the compiled step is replayed per bucket (compile/replay.py): on the bridge's device, whose
     backend records the calls; TORCHBRIDGE_SERVE_REPLAY=0 always takes the full path (for A/B measurements)."""
@@ -320,7 +327,7 @@ class ModelRunner:
         amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx,
-                                _wide_weights(self.device), target)
+                                _wide_weights(self.device), target, transposed=_transposed_weights(self.device))
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]

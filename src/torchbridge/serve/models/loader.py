@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from torchbridge.serve.config import ModelConfig
-from torchbridge.serve.linear import pack, widen
+from torchbridge.serve.linear import pack, transpose, widen
 from torchbridge.serve.models import eagle
 from torchbridge.serve.models.llama import LlamaForCausalLM, rope_tables
 from torchbridge.serve.parallel import SINGLE, TPGroup, shard
@@ -34,9 +34,11 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
     tp: TPGroup = SINGLE, amx: bool = False, wide: bool = False, target: LlamaForCausalLM | None = None,
+    transposed: bool = False,
 ) -> LlamaForCausalLM:
     """The checkpoint in `model_dir` as the engine's model on `device`. `amx`: bf16 linears also as AMX tiles
-    (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`). With `target`, the
+    (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`); `transposed`: every linear's
+    weight as [in, out] (`transpose`, widened if `wide`). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
@@ -90,7 +92,9 @@ def load_model(
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
     pack(model, amx)  # on the cpu: weights laid out once for oneDNN, and AMX if asked (serve/linear.py)
-    if wide:
+    if transposed:
+        transpose(model, wide)  # weights as [in, out] (float32 if 16-bit), the layout XLA:CPU's dot is fastest with
+    elif wide:
         widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
     if isinstance(model, eagle.EagleHead):
         assert target is not None
