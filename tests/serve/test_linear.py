@@ -75,7 +75,10 @@ def test_transposed_linear_matches_float64_reference(dtype: torch.dtype, wide: b
     model = TwoLayers(dtype)
     w, b = model.up.weight.detach().double().clone(), model.up.bias.detach().double().clone()
     tied = model.head.weight.detach().double().clone()
-    assert transpose(model, wide) == 2
+    if wide:
+        assert widen(model) == (0 if dtype == torch.float32 else 2)  # float32 layers are left alone
+    assert transpose(model) == 2
+    assert model.up.wide is None  # the widened copy is the transposed one now, not kept twice
     wdt = torch.float32 if wide else dtype
     assert model.up.wt.shape == (32, 48) and model.up.wt.dtype == wdt and model.up.wt.is_contiguous()
     assert model.head.wt.shape == (32, 50) and model.up.weight.device.type == "meta"

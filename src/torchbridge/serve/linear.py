@@ -38,7 +38,7 @@ There, too, `x @ W.T` with W stored [out, in] (nn.Linear's layout) costs XLA:CPU
 decode step's rows) about twice `x @ Wt` with the same weight stored [in, out]: a jitted program of the
 bundled model's 17 products at 2 rows took 0.72 ms against 0.35 ms, 1.3-2x from 2 to 32 rows, level from
 128 rows up (one row, a matrix-vector product, 0.9x). So `transpose(model)` gives each layer its weight as
-[in, out] (`Linear.wt`; float32 where the layer is 16-bit, as `widen` does), and a single-user decode step
+[in, out] (`Linear.wt`; after `widen`, the float32 copy), and a single-user decode step
 of the bundled model spent 0.78 ms in its products instead of 1.56 (an XLA trace; 2026-12-04, AMD EPYC Zen 5).
 A tied LM head keeps the embedding's [vocab, hidden] table as well as its own [hidden, vocab] copy.
 """
@@ -58,17 +58,17 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     tiles: torch.Tensor | None = None  # the weight as AMX tiles (set by `pack`)
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
-    wt: torch.Tensor | None = None  # the weight as [in, out], maybe widened to float32 (set by `transpose`)
+    wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.wt is not None:
-            y = x.reshape(-1, x.shape[-1]).to(self.wt.dtype) @ self.wt
+            y = x.to(self.wt.dtype) @ self.wt
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
-            return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+            return y.to(x.dtype)
         if self.wide is not None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.wide, bias).to(x.dtype)
@@ -148,17 +148,16 @@ def widen(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def transpose(model: nn.Module, wide: bool = True) -> int:
-    """Give every `Linear` of `model` its weight as [in, out] (`Linear.wt`), float32 where it was 16-bit
-    and `wide` (as `widen`), releasing the plain weight where no other module shares it; returns how many. For the
+def transpose(model: nn.Module) -> int:
+    """Give every `Linear` of `model` the weight it multiplies by (its widened one after `widen`) as [in, out]
+    (`Linear.wt`), releasing the plain weight where no other module shares it; returns how many. For the
     bridge's device over JAX's CPU platform, whose dot multiplies a decode step's few rows by a weight stored
     [in, out] about twice as fast as by one stored [out, in] (the module's docstring)."""
     shared = _shared(model)
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            w = m.weight.detach()
-            m.wt = (w.float() if wide and w.dtype in _HALF else w).t().contiguous()
+            m.wt, m.wide = (m.weight.detach() if m.wide is None else m.wide).t().contiguous(), None
             _release(m, shared)
             n += 1
     return n

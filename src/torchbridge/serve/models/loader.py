@@ -38,7 +38,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The checkpoint in `model_dir` as the engine's model on `device`. `amx`: bf16 linears also as AMX tiles
     (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`); `transposed`: every linear's
-    weight as [in, out] (`transpose`, widened if `wide`). With `target`, the
+    weight (widened or not) as [in, out] (`transpose`). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
@@ -92,10 +92,10 @@ def load_model(
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
     pack(model, amx)  # on the cpu: weights laid out once for oneDNN, and AMX if asked (serve/linear.py)
-    if transposed:
-        transpose(model, wide)  # weights as [in, out] (float32 if 16-bit), the layout XLA:CPU's dot is fastest with
-    elif wide:
+    if wide:
         widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
+    if transposed:
+        transpose(model)  # the weights multiplied by as [in, out], the layout XLA:CPU's dot is fastest with
     if isinstance(model, eagle.EagleHead):
         assert target is not None
         model.share(target, own_embedding="model.embed_tokens.weight" in state)
