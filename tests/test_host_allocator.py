@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from torchbridge import host_allocator
+
 _PROBE = """
 import json, resource, torch, torchbridge.host_allocator as h
 def faults():
@@ -27,17 +29,7 @@ print(json.dumps({"state": h.state(), "faults": counts}))
 """
 
 
-def _glibc() -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
-    except (OSError, AttributeError):
-        return False
-    return sys.platform.startswith("linux")
-
-
-pytestmark = pytest.mark.skipif(not _glibc(), reason="the policy sets glibc's malloc options; this C library is not glibc")
+pytestmark = pytest.mark.skipif(host_allocator.glibc() is None, reason="the policy sets glibc's malloc options; this C library is not glibc")
 
 
 def _probe(policy: str | None) -> dict:

@@ -58,18 +58,26 @@ def _apply() -> bool:
         warnings.warn(f"torchbridge: TORCHBRIDGE_HOST_ALLOCATOR must be 'keep' or 'default', not {policy!r}; "
                       "leaving glibc's defaults", stacklevel=2)
         return False
-    if policy == "default" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only: another libc's mallopt means other things
-    except (OSError, AttributeError):
+    libc = glibc() if policy == "keep" else None
+    if libc is None:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     # a glibc that refuses a threshold above half its arena heap size (32 MiB) gets the largest it takes
     if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 and libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1:
         return False
     return libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and libc.mallopt(M_ARENA_MAX, 1) == 1
+
+
+def glibc() -> ctypes.CDLL | None:
+    """The process's C library if it is glibc on Linux, else None (another libc's mallopt means other things)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def state() -> str:
