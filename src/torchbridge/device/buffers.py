@@ -116,7 +116,8 @@ def write_flat(t: torch.Tensor, values: jax.Array) -> None:
         raise ValueError(f"torchbridge: writing {values.shape} {values.dtype} into a {tuple(t.shape)} {t.dtype} tensor")
     STATE.last_results[t.device.index or 0] = values  # what synchronize() waits on
     if _whole(t, buf, jdt, count):
-        STATE.table.set(key, values)
+        del buf  # the table's reference is then the old buffer's last: `replace` can keep it as a spare
+        STATE.table.replace(key, values)
         return
     wk = (spec, buf.shape, buf.dtype, jdt, count)
     writer = _writers.get(wk)

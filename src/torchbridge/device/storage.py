@@ -85,6 +85,15 @@ class BufferTable:
     def set(self, key: int, buf: jax.Array) -> None:
         self._buffers[key] = buf
 
+    def replace(self, key: int, buf: jax.Array) -> None:
+        """Set `key`'s buffer, the one it replaces kept as a spare if nothing else holds it (a collective
+        written into its tensor in place: the next call of its shape writes into the old buffer)."""
+        old = self._buffers.get(key)
+        self._buffers[key] = buf
+        if isinstance(old, jax.Array) and old is not buf and old.nbytes >= SPARE_MIN_BYTES \
+                and sys.getrefcount(old) <= 2:
+            SPARES.put(old)  # (references: `old` and getrefcount's argument)
+
 
 _zero_cache: OrderedDict[tuple, jax.Array] = OrderedDict()
 # Zero buffers up to ZERO_CACHE_MAX bytes each are kept, least recently used out past ZERO_CACHE_BYTES:

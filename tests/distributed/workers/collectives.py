@@ -153,6 +153,58 @@ if os.environ.get("TORCHBRIDGE_COLLECTIVES") != "host":  # host copies through g
     case("late peers: a collective returns before its peers arrive", run_late_peers)
 
 
+def run_large_steady_state():
+    """Large collectives called again and again (a training loop's gradient buckets): each result equals
+    gloo's on CPU tensors, from the third call on it is written into the buffer its tensor held before
+    (collectives.COUNTERS), and a 64 MiB all_reduce then maps no new memory. The kernel's fault counter is
+    the reference: a fresh 64 MiB result is 16,384 first-touch faults (`getrusage`), whatever malloc does
+    (above its mmap threshold every such block is new pages)."""
+    import resource
+
+    from torchbridge.distributed import collectives
+
+    n = (64 << 20) // 4
+    problems = []
+    x = inputs((n,), torch.float32, 40) / 8
+    d = x.to(DEV)
+    ag_in = inputs((n // WORLD,), torch.float32, 41)
+    ag_out, ag_ref = torch.empty(n, device=DEV), torch.empty(n)
+    rs_in = inputs((n,), torch.float32, 42)
+    rs_out, rs_ref = torch.empty(n // WORLD, device=DEV), torch.empty(n // WORLD)
+    ag_d, rs_d = ag_in.to(DEV), rs_in.to(DEV)
+    spares0 = collectives.COUNTERS["spare_results"]
+    faults = []
+    for i in range(4):
+        torch.tpu.synchronize()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        dist.all_reduce(d, op=R.AVG)
+        torch.tpu.synchronize()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        dist.all_reduce(x, group=GLOO)
+        x /= WORLD
+        dist.all_gather_into_tensor(ag_out, ag_d)
+        dist.all_gather_into_tensor(ag_ref, ag_in, group=GLOO)
+        dist.reduce_scatter_tensor(rs_out, rs_d)
+        dist.reduce_scatter_tensor(rs_ref, rs_in, group=GLOO)
+        for name, got, ref in (("all_reduce", d, x), ("all_gather_into_tensor", ag_out, ag_ref),
+                               ("reduce_scatter_tensor", rs_out, rs_ref)):
+            ok, detail = same(got, ref, exact=False)
+            if not ok:
+                problems.append(f"call {i}: {name}: {detail}")
+    spares = collectives.COUNTERS["spare_results"] - spares0
+    # calls 0 and 1 write fresh buffers (the first's tensor held none of the result's size yet); from the
+    # third call of each of the three collectives on, a spare
+    if spares < 3 * 2:
+        problems.append(f"{spares} of 12 results written into spare buffers, expected at least 6")
+    if max(faults[2:]) > 16384 // 4:
+        problems.append(f"page faults per 64 MiB all_reduce {faults}: its result is fresh memory every call")
+    return not problems, "; ".join(problems) or f"faults per all_reduce {faults}, {spares} spares used"
+
+
+if os.environ.get("TORCHBRIDGE_COLLECTIVES") != "host":  # the host-copy transport writes through gloo
+    case("large collectives in steady state reuse their buffers", run_large_steady_state)
+
+
 def run_coalesced():
     xs = [inputs((3, 4), torch.float32, 11), inputs((6,), torch.float32, 12)]
     ds = [x.to(DEV) for x in xs]
