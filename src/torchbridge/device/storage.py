@@ -39,8 +39,7 @@ class BufferTable:
         for kind, a, b, nbytes in events:
             if kind == _FREE:
                 buf = self._buffers.pop(a, None)
-                if isinstance(buf, jax.Array) and buf.nbytes >= SPARE_MIN_BYTES and sys.getrefcount(buf) <= 2:
-                    SPARES.put(buf)  # (references: `buf` and getrefcount's argument: nothing else holds it)
+                _offer_spare(buf)
                 buf = None
             elif kind == _RESIZE:
                 # Only bytes that were written and survive the resize are carried over; a storage
@@ -90,9 +89,7 @@ class BufferTable:
         written into its tensor in place: the next call of its shape writes into the old buffer)."""
         old = self._buffers.get(key)
         self._buffers[key] = buf
-        if isinstance(old, jax.Array) and old is not buf and old.nbytes >= SPARE_MIN_BYTES \
-                and sys.getrefcount(old) <= 2:
-            SPARES.put(old)  # (references: `old` and getrefcount's argument)
+        _offer_spare(old)
 
 
 _zero_cache: OrderedDict[tuple, jax.Array] = OrderedDict()
@@ -233,3 +230,11 @@ class SparePool:
 
 
 SPARES = SparePool()
+
+
+def _offer_spare(buf: Any) -> None:
+    """Keep `buf` as a spare when it is large and its caller's reference is the only one left (the table
+    no longer holds it: a freed storage's buffer, or one a whole-tensor write replaced)."""
+    # references: the caller's, this parameter and getrefcount's argument
+    if isinstance(buf, jax.Array) and buf.nbytes >= SPARE_MIN_BYTES and sys.getrefcount(buf) <= 3:
+        SPARES.put(buf)

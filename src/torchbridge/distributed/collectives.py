@@ -42,10 +42,9 @@ class _Program:
     """One collective's jitted program, and on JAX's CPU platform its variant that writes the result into
     a donated spare buffer (see `_run`)."""
 
-    def __init__(self, fn: Callable[..., Any], replicated: bool) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.plain = jax.jit(fn)
         self.recycling = jax.jit(lambda b, z, _spare: fn(b, z), donate_argnums=(2,), keep_unused=True)
-        self.replicated = replicated
         self.spare_key: tuple | None = None  # the result's pool key once known, when large enough to want one
 
 
@@ -67,7 +66,7 @@ def _run(name: str, mesh: Mesh, x: jax.Array, body: Callable[[jax.Array], jax.Ar
     if prog is None:
         prog = _programs[k] = _Program(
             jax.shard_map(lambda b, z: (body(b), jnp.sum(z * z)[None]), mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                          out_specs=(P() if replicated else P(AXIS), P(AXIS)), check_vma=False), replicated)
+                          out_specs=(P() if replicated else P(AXIS), P(AXIS)), check_vma=False))
     size = mesh.devices.size
     sharding = NamedSharding(mesh, P(AXIS))
     device = x.devices().pop()
@@ -76,7 +75,7 @@ def _run(name: str, mesh: Mesh, x: jax.Array, body: Callable[[jax.Array], jax.Ar
     spare = None
     if prog.spare_key is not None and storage.SPARES.available([prog.spare_key]):
         local = storage.SPARES.take([prog.spare_key])[0]
-        out_sharding = NamedSharding(mesh, P() if replicated else P(AXIS))
+        out_sharding = NamedSharding(mesh, P()) if replicated else sharding
         shape = local.shape if replicated else (size * local.shape[0], *local.shape[1:])
         spare = jax.make_array_from_single_device_arrays(shape, out_sharding, [local])
         del local
