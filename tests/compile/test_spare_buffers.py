@@ -1,11 +1,13 @@
-"""Freed large buffers written again by compiled programs (storage.SPARES; compile.backend's
-_call_recycling): on JAX's CPU platform a fresh output is new memory the kernel page-faults in on
-every write, so a program whose large outputs have a spare of their shape in the pool takes the
-spares as donated inputs and XLA writes the outputs into them. Checked against CPU PyTorch: values
+"""Freed large buffers written again by compiled and eager programs (storage.SPARES; compile.backend's
+_call_recycling, device/recycling.py): on JAX's CPU platform a fresh output is new memory the kernel
+page-faults in on every write, so a program whose large outputs have a spare of their shape in the pool
+takes the spares as donated inputs and XLA writes the outputs into them. Checked against CPU PyTorch: values
 stay right whether or not the previous results are alive, a live result is never written over, and
 empty_cache() gives the memory back."""
 
 from __future__ import annotations
+
+import resource
 
 import jax
 import pytest
@@ -115,16 +117,51 @@ def test_a_program_that_copies_anyway_still_reuses_buffers() -> None:
     assert metrics()["recycled_outputs"] - before >= 2
 
 
-def test_only_shapes_a_compiled_program_writes_are_kept() -> None:
-    # Kept buffers of other shapes would only stop the C allocator from reusing their memory: eager ops
-    # take no spares (eager and fused training steps ran 1.3x and 1.9x slower with them all kept).
-    x = torch.randn(N + 4096, device=DEV) * 2  # an eager result of a shape no program writes
+def test_only_shapes_a_program_writes_are_kept() -> None:
+    # Kept buffers of other shapes would only stop the C allocator from reusing their memory (eager and
+    # fused training steps ran 1.3x and 1.9x slower with every freed buffer kept).
+    x = torch.ones(N + 4096).to(DEV)  # copied from the host: no program writes this shape
     del x
     (torch.ones(4, device=DEV) + 1).cpu()  # the next ops drain the free
     assert storage.SPARES.nbytes == 0
     step = torch.compile(_fn, backend="tpu")
-    out = step(torch.randn(N, device=DEV), torch.tensor(2.0, device=DEV))  # writes (N,) float32
-    y = torch.randn(N, device=DEV) * 2  # now an eager result of that shape is worth keeping
+    out = step(torch.ones(N).to(DEV), torch.tensor(2.0, device=DEV))  # a compiled program writes (N,) float32
+    y = torch.ones(N).to(DEV)
     del y, out
     (torch.ones(4, device=DEV) + 1).cpu()
     assert storage.SPARES.nbytes >= N * 4
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_eager_outputs_reuse_freed_buffers_and_match_cpu() -> None:
+    # An eager op's large result is written into the buffer a freed result of its shape held: the
+    # steady state maps no new pages (each fresh 12 MiB output was 3,072 page faults).
+    x = torch.randn(N)
+    xd = x.to(DEV)
+    before = torchbridge.metrics()["recycled_outputs"]
+    faults = []
+    for i in range(6):
+        k = float(i + 1)
+        f0 = _minor_faults()
+        out = torch.sin(xd) * k  # sin's result is freed after the product; the previous `out` here
+        MOD.synchronize()
+        faults.append(_minor_faults() - f0)
+        torch.testing.assert_close(out.cpu(), torch.sin(x) * k)
+    assert torchbridge.metrics()["recycled_outputs"] - before >= 6
+    pages = N * 4 // 4096
+    assert max(faults[3:]) < pages // 4, faults  # two fresh outputs a call without spares
+
+
+def test_live_eager_results_are_never_written_over() -> None:
+    x = torch.randn(N)
+    xd = x.to(DEV)
+    kept = [torch.cos(xd) * float(i + 1) for i in range(4)]  # each cos result freed, each product kept
+    view = kept[1][: N // 2]
+    del kept[1]
+    kept.append(torch.cos(xd) * 9.0)
+    for out, k in zip(kept, (1.0, 3.0, 4.0, 9.0), strict=True):
+        torch.testing.assert_close(out.cpu(), torch.cos(x) * k)
+    torch.testing.assert_close(view.cpu(), (torch.cos(x) * 2.0)[: N // 2])

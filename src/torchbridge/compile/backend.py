@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.fx.node import map_arg
 
 from torchbridge.compile import bounded, flex, functionalized, patterns, program_cache, rng_state, spmd
-from torchbridge.device import donation, dtypes, host_calls, storage, views
+from torchbridge.device import donation, dtypes, host_calls, recycling, views
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE, run_collective
 
@@ -824,22 +824,7 @@ def _call_recycling(fn: _Executable, call: tuple) -> Any:
     """Run a program that writes no input, its large fresh outputs written into spare buffers of their
     shape (storage.SPARES: freed buffers kept instead of new memory, which the CPU platform page-faults
     in on every write) for as many of them as the pool has a spare for and XLA adds no copies."""
-    if fn.spare_keys:
-        keys = fn.recycling_keys(storage.SPARES.available(fn.spare_keys))
-        if keys:
-            spares = storage.SPARES.take(list(keys))
-            run = fn.recycling(call, keys, spares)
-            if run is not None:
-                compile_counter["recycled_outputs"] += len(spares)
-                return run(tuple(spares), *call)
-            for buf in spares:
-                storage.SPARES.put(buf)
-    out = fn(*call)
-    if fn.spare_keys is None:
-        fn.spare_keys = [storage.SparePool.key(o.shape, o.dtype, d) for o in jax.tree.leaves(out)
-                         if o.nbytes >= storage.SPARE_MIN_BYTES and storage.spares_enabled(d := next(iter(o.devices())))]
-        storage.SPARES.want(fn.spare_keys)
-    return out
+    return recycling.run(fn, fn, call, compile_counter)
 
 
 def _collective_groups(nodes: list[torch.fx.Node]) -> tuple[str, ...]:

@@ -23,7 +23,17 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchbridge.device import donation, dtypes, eager_mode, fused, host_calls, native, storage, views
+from torchbridge.device import (
+    donation,
+    dtypes,
+    eager_mode,
+    fused,
+    host_calls,
+    native,
+    recycling,
+    storage,
+    views,
+)
 from torchbridge.device.lowerings import registry
 from torchbridge.device.runtime import STATE
 
@@ -339,7 +349,12 @@ def _build(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: li
     draws = random_draws(leaves, [call.tensors[i] for idx, _ in written for i in idx]) if info.lowering.random else 0
     # keep_unused: a program that overwrites a storage without reading it (fill_, normal_) must still run on
     # that storage's device; JAX places a jitted call by its (kept) committed arguments.
-    return _Program(jax.jit(body, keep_unused=True), body.write_slots, body.new_outputs, out_struct, draws, raw=body)
+    fn = jax.jit(body, keep_unused=True)
+    if not body.write_slots and recycling.wanted(
+            [((views.storage_numel(shape, strides),), dtypes.to_jax(dt)) for shape, strides, dt in body.new_outputs],
+            STATE.jax_device(storages[0][1] if storages else 0)):
+        fn = recycling.Recycling(body, fn)  # large fresh outputs into spare buffers
+    return _Program(fn, body.write_slots, body.new_outputs, out_struct, draws, raw=body)
 
 
 def _meta_result(op: Any, info: OpInfo_, call: _Call, pos: tuple, kw: tuple, descs: list) -> tuple[Any, dict]:

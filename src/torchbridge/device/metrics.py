@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchbridge.device import dispatch, eager_mode, fused, native
+from torchbridge.device import dispatch, eager_mode, fused, native, recycling
 from torchbridge.device.runtime import STATE
 
 
@@ -19,6 +19,7 @@ def metrics() -> dict[str, Any]:
         "fast_path_entries": info["fast_entries"],
         "fast_path_hits": native.load().fast_hits(),
         "donated_writes": info["donated_writes"],
+        "recycled_outputs": recycling.COUNTERS["recycled_outputs"],
         "cpu_fallbacks": dict(dispatch.cpu_fallback_counter),
         "live_storages": len(STATE.table),
     }

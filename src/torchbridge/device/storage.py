@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
@@ -165,7 +166,11 @@ def spares_enabled(device: Any) -> bool:
 
 
 class SparePool:
+    """Freed large buffers by (shape, dtype, device). Eager ops of the backward run on autograd's device
+    thread while the main thread may free or take buffers too: every method holds the pool's lock."""
+
     def __init__(self) -> None:
+        self._lock = threading.RLock()
         self._free: dict[tuple, list[jax.Array]] = {}
         self._order: deque[tuple[tuple, jax.Array]] = deque()  # oldest first, for eviction
         self._wanted: Counter[tuple] = Counter()  # per key, how many outputs of it compiled programs write
@@ -187,6 +192,10 @@ class SparePool:
         if not spares_enabled(device) or buf.is_deleted() or buf.nbytes > SPARE_POOL_BYTES:
             return
         key = self.key(buf.shape, buf.dtype, device)
+        with self._lock:
+            self._put(key, buf)
+
+    def _put(self, key: tuple, buf: jax.Array) -> None:
         if len(self._free.get(key, ())) >= self._wanted[key]:
             return
         self._free.setdefault(key, []).append(buf)
@@ -199,7 +208,8 @@ class SparePool:
 
     def available(self, keys: list[tuple]) -> tuple:
         """The keys among `keys` (in their order, repeats included) that a spare is there for."""
-        left = {k: len(v) for k, v in self._free.items()}
+        with self._lock:
+            left = {k: len(v) for k, v in self._free.items()}
         out = []
         for k in keys:
             if left.get(k, 0):
@@ -207,26 +217,32 @@ class SparePool:
                 out.append(k)
         return tuple(out)
 
-    def take(self, keys: list[tuple]) -> list[jax.Array]:
-        """One spare per key (keys may repeat): keys `available` returned, so each has one."""
-        out = []
-        for k in keys:
-            buf = self._free[k].pop()
-            for i, (_, b) in enumerate(self._order):
-                if b is buf:
-                    del self._order[i]
-                    break
-            self.nbytes -= buf.nbytes
-            out.append(buf)
-        return out
+    def take(self, keys: list[tuple]) -> list[jax.Array] | None:
+        """One spare per key (keys may repeat), or None (nothing taken) where another thread took one of
+        those `available` returned."""
+        with self._lock:
+            if self.available(keys) != tuple(keys):
+                return None
+            out = []
+            for k in keys:
+                buf = self._free[k].pop()
+                for i, (_, b) in enumerate(self._order):
+                    if b is buf:
+                        del self._order[i]
+                        break
+                self.nbytes -= buf.nbytes
+                out.append(buf)
+            return out
 
     def bytes_on(self, device: Any) -> int:
-        return sum(b.nbytes for (_, _, d), bufs in self._free.items() if d == device for b in bufs)
+        with self._lock:
+            return sum(b.nbytes for (_, _, d), bufs in self._free.items() if d == device for b in bufs)
 
     def clear(self) -> None:
-        self._free.clear()
-        self._order.clear()
-        self.nbytes = 0
+        with self._lock:
+            self._free.clear()
+            self._order.clear()
+            self.nbytes = 0
 
 
 SPARES = SparePool()

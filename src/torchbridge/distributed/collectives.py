@@ -73,8 +73,9 @@ def _run(name: str, mesh: Mesh, x: jax.Array, body: Callable[[jax.Array], jax.Ar
     glob = jax.make_array_from_single_device_arrays((size * x.shape[0], *x.shape[1:]), sharding, [x])
     ballast = _ballast(mesh, sharding, x)
     spare = None
-    if prog.spare_key is not None and storage.SPARES.available([prog.spare_key]):
-        local = storage.SPARES.take([prog.spare_key])[0]
+    taken = storage.SPARES.take([prog.spare_key]) if prog.spare_key is not None else None
+    if taken:
+        local = taken.pop()
         out_sharding = NamedSharding(mesh, P()) if replicated else sharding
         shape = local.shape if replicated else (size * local.shape[0], *local.shape[1:])
         spare = jax.make_array_from_single_device_arrays(shape, out_sharding, [local])
