@@ -136,8 +136,9 @@ def _resize_bytes(buf: jax.Array, nbytes: int) -> jax.Array:
 # On JAX's CPU platform every program output is fresh memory from the C allocator, which maps a large
 # block anew each time and pays a page fault per 4 KiB page on first write (a 51 MB embedding gradient:
 # ~10-20 ms, more than the arithmetic; a caching allocator such as CUDA's avoids this). Freed large
-# buffers that nothing else holds are kept here instead, and compiled programs take them as donated
-# inputs that XLA writes their fresh outputs of the same shape into (compile.backend). The pool is
+# buffers that nothing else holds are kept here instead, and programs take them as donated inputs that
+# XLA writes their fresh outputs of the same shape into (device/recycling.py: eager ops and compiled
+# graphs; distributed/collectives.py). The pool is
 # bounded; torch.<device>.empty_cache() drops it; TORCHBRIDGE_SPARE_BUFFERS=0 turns it off.
 SPARE_MIN_BYTES = 4 << 20
 
@@ -146,7 +147,7 @@ def _pool_bound() -> int:
     """TORCHBRIDGE_SPARE_POOL_BYTES, else a quarter of physical memory (at least 1 GiB). A training
     step frees its saved activations after the backward and the next forward writes the same shapes
     again: the pool has to hold them all (a hidden-768 Llama at 16 x 512 tokens saves 2.4 GiB) or the
-    forward pays page faults for the rest. It only keeps what compiled programs can take (SparePool.want),
+    forward pays page faults for the rest. It only keeps what programs can take (SparePool.want),
     so it adds little to the peak: those buffers were live during the forward."""
     env = os.environ.get("TORCHBRIDGE_SPARE_POOL_BYTES")
     if env:
@@ -173,14 +174,14 @@ class SparePool:
         self._lock = threading.RLock()
         self._free: dict[tuple, list[jax.Array]] = {}
         self._order: deque[tuple[tuple, jax.Array]] = deque()  # oldest first, for eviction
-        self._wanted: Counter[tuple] = Counter()  # per key, how many outputs of it compiled programs write
+        self._wanted: Counter[tuple] = Counter()  # per key, how many outputs of it programs write
         self.nbytes = 0
 
     def want(self, keys: list[tuple]) -> None:
-        """A compiled program writes large outputs of these keys (repeats included): keep up to that many
-        more spares of each. Buffers of other shapes are freed as before: held, they only kept the C
-        allocator from reusing their memory (eager ops take no spares; with every freed buffer kept up to
-        a quarter of memory, eager and fused training steps ran 1.3x and 1.9x slower, measured)."""
+        """A program (eager, compiled or a collective) writes large outputs of these keys (repeats included):
+        keep up to that many more spares of each. Buffers of other shapes are freed as before: held, they
+        only kept the C allocator from reusing their memory (with every freed buffer kept up to a quarter
+        of memory, eager and fused training steps ran 1.3x and 1.9x slower, measured)."""
         self._wanted.update(keys)
 
     @staticmethod
