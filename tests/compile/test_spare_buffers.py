@@ -146,7 +146,7 @@ def test_eager_outputs_reuse_freed_buffers_and_match_cpu() -> None:
     for i in range(6):
         k = float(i + 1)
         f0 = _minor_faults()
-        out = torch.sin(xd) * k  # sin's result is freed after the product; the previous `out` here
+        out = torch.sin(xd) * k  # sin's result is freed after the product, the previous `out` by this assignment
         MOD.synchronize()
         faults.append(_minor_faults() - f0)
         torch.testing.assert_close(out.cpu(), torch.sin(x) * k)
