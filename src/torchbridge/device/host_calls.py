@@ -45,8 +45,9 @@ _ATTENTION_BACKWARD = "torchbridge_attention_backward"
 _ADAM = "torchbridge_adam_step"
 _ADAGRAD = "torchbridge_adagrad_step"
 _PAGED_DECODE = "torchbridge_paged_decode"
+_HELD_LINEAR = "torchbridge_held_linear"
 # every custom call we register
-TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD, _PAGED_DECODE)
+TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD, _PAGED_DECODE, _HELD_LINEAR)
 # Parameters from this many elements get the one-pass Adam update; a bias or a norm's weight is
 # cheaper as XLA's own loops than as one more custom call.
 ADAM_MIN_ELEMENTS = 1 << 14
@@ -90,6 +91,7 @@ def register(native_module: Any) -> None:
         jax.ffi.register_ffi_target(_ADAM, native_module.adam_step_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_ADAGRAD, native_module.adagrad_step_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_PAGED_DECODE, native_module.paged_decode_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_HELD_LINEAR, native_module.held_linear_capsule(), platform="cpu")
         _registered = True
 
 
@@ -146,6 +148,16 @@ def paged_decode(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_
     and context lengths [R] (int32/int64). Each row reads its blocks in place, up to its own length."""
     return jax.ffi.ffi_call(_PAGED_DECODE, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, block_tables, context_lens, scale=float(scale))
+
+
+def held_linear(x: Any, key: int, out_features: int) -> Any:
+    """x [rows, in] (bf16/fp16) @ W.T + b, W and b held by the serving engine's kernel library under `key`
+    (serve/cpu_kernels.py `hold_packed_weight`: oneDNN's packed 16-bit GEMM, which XLA:CPU lacks: it
+    multiplies 16-bit floats in float32). CPU platform only; the engine loads the library before it asks."""
+    if not _on_cpu():
+        raise RuntimeError("torchbridge held_linear: only on JAX's CPU platform (the engine's oneDNN weights)")
+    return jax.ffi.ffi_call(_HELD_LINEAR, jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype))(
+        x, key=np.int64(key))
 
 
 @functools.cache

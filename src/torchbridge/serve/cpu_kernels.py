@@ -5,7 +5,9 @@
 longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
 small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
-linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). They are compiled for
+linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). `hold_packed_weight` /
+`held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight in the library under a key,
+for the engine on the bridge's device, whose compiled step calls it by that key. They are compiled for
 this CPU (-march=native; the CPU's flags are part of the build's key), on first use (~20 s on 2 cores).
 Where no C++ compiler works, `available()` says why and the engine runs the plain torch ops and decodes
 through its workspace.
@@ -21,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp", "held_linear.cpp")]
 _HEADERS = [_CSRC / "widen.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -98,3 +100,37 @@ def amx_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(x2.shape[0], w_tiles.shape[0] * 32, dtype=x.dtype, device=x.device)
     torch.ops.torchbridge_serve.amx_linear(out, x2, w_tiles, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """A 63-bit key from a weight's (and bias's) dtype, shape and bytes: equal for the same layer in every
+    process (a program in the persistent compile cache names its weights by it), different for another
+    model's layer of the same shape."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for t in (w, bias):
+        if t is not None:
+            t = t.detach().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def hold_packed_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """Give the library W [out, in] (a CPU tensor of a dtype oneDNN packs here) pre-packed, with its bias;
+    returns the key `held_linear` takes."""
+    key = weight_key(w, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+    b = None if bias is None else bias.detach().to(w.dtype).contiguous()
+    torch.ops.torchbridge_serve.hold_packed_weight(key, packed, b, w.shape[1], w.shape[0])
+    return key
+
+
+def held_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W.T + b for the weight held under `key` (CPU tensors; the device calls the same
+    kernel from inside its programs, device/host_calls.py `held_linear`)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
+    torch.ops.torchbridge_serve.held_linear(out, x2, key)
+    return out.view(*x.shape[:-1], out_features)

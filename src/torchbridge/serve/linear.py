@@ -41,6 +41,15 @@ bundled model's 17 products at 2 rows took 0.72 ms against 0.35 ms, 1.3-2x from 
 [in, out] (`Linear.wt`; after `widen`, the float32 copy), and a single-user decode step
 of the bundled model spent 0.78 ms in its products instead of 1.56 (an XLA trace; 2026-12-04, AMD EPYC Zen 5).
 A tied LM head keeps the embedding's [vocab, hidden] table as well as its own [hidden, vocab] copy.
+
+XLA:CPU has no 16-bit GEMM, but oneDNN has one where the CPU has AVX512-BF16 or AMX (`packing_supported`),
+and there it beat XLA's float32 dot from a few rows up: the bundled model's 17 products at 32 rows took
+1.54 ms packed in bf16 against 2.38 ms in XLA (0.62 vs 0.96 at 8 rows, level at 2, XLA faster at 1 row:
+0.33 vs 0.41; AMD EPYC Zen 4, 2026-12-06, /tmp scratch of the products alone). So `hold(model)` hands each
+16-bit layer's weight, packed, to the engine's kernel library (serve/cpu_kernels.py `hold_packed_weight`),
+and calls of `HELD_MIN_ROWS` rows or more go to it by its key (`torch.ops.torchbridge.held_linear`, a
+custom call inside the compiled step); fewer rows keep the float32 [in, out] weight. Such a layer holds
+its weight in 16 bits (packed) as well as in float32.
 """
 
 from __future__ import annotations
@@ -59,11 +68,15 @@ class Linear(nn.Linear):
     tiles: torch.Tensor | None = None  # the weight as AMX tiles (set by `pack`)
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
     wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
+    held: int | None = None  # the key of the weight the engine's kernel library holds (set by `hold`)
+    held_out: int = 0  # that weight's output features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.held is not None and x.numel() >= HELD_MIN_ROWS * x.shape[-1]:
+            return torch.ops.torchbridge.held_linear(x, self.held, self.held_out)
         if self.wt is not None:
             y = x.to(self.wt.dtype) @ self.wt
             if self.bias is not None:
@@ -80,6 +93,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+# From this many rows a held (oneDNN-packed 16-bit) weight is faster than XLA's float32 dot (the docstring).
+HELD_MIN_ROWS = 4
 # Above this many rows oneDNN's blocked GEMM catches up with the AMX kernel's one pass per 32 columns
 # (alternated microbench: 1.2-4.7x at 1-32 rows, 0.9-1.2x at 48-64, 0.56-0.98x at 128-512).
 AMX_MAX_ROWS = 32
@@ -143,6 +158,24 @@ def widen(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.dtype in _HALF:
             _widen(m, shared)
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def hold(model: nn.Module) -> int:
+    """Hand every 16-bit `Linear` of `model` (on a device other than the CPU, a dtype oneDNN packs here) to the
+    engine's kernel library, packed (`Linear.held`; its kernels loaded); returns how many. For the bridge's
+    device over JAX's CPU platform, whose compiler has no 16-bit GEMM. The layer keeps its weight too."""
+    from torchbridge.kernels import held_linear  # noqa: F401 - registers torch.ops.torchbridge.held_linear
+    from torchbridge.serve import cpu_kernels
+
+    n = 0
+    for m in model.modules():
+        w = m.weight if isinstance(m, Linear) else None
+        if w is not None and w.device.type != "cpu" and w.dtype in _HALF and packing_supported(w.dtype):
+            bias = None if m.bias is None else m.bias.detach().cpu()
+            m.held, m.held_out = cpu_kernels.hold_packed_weight(w.detach().cpu(), bias), w.shape[0]
             n += 1
     return n
 

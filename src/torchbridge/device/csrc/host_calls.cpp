@@ -362,6 +362,26 @@ ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// A linear layer whose weight the serving engine's kernel library holds pre-packed for oneDNN
+// (serve/csrc/held_linear.cpp, torchbridge_serve::held_linear), by the key the engine gave it: x [M, K]
+// in bf16/fp16, out [M, N]. XLA:CPU would multiply 16-bit floats in float32; oneDNN's packed 16-bit GEMM
+// reads half the weight bytes and, with AVX512-BF16 or AMX, multiplies in bf16.
+ffi::Error held_linear(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t key) {
+  at::ScalarType st;
+  if (!to_scalar_type(x.element_type(), {at::kBFloat16, at::kHalf}, &st) || out->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("torchbridge held linear: x and out bfloat16 or float16, of one dtype");
+  }
+  c10::InferenceMode guard;
+  try {
+    static const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::held_linear", "");
+    torch::jit::Stack stack{wrap(*out, st), wrap(x, st), key};
+    op.callBoxed(&stack);
+  } catch (const std::exception& e) {  // no such key, no kernel library: its message, not a crash
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeAdamStep, adam_step,
@@ -422,6 +442,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeHostGemm, host_gemm,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeFence, fence, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgeHeldLinear, held_linear,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("key"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePagedDecode, paged_decode,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -438,4 +461,5 @@ void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&Torchbri
 void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
 void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
 void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }
+void* torchbridge_held_linear_handler() { return reinterpret_cast<void*>(&TorchbridgeHeldLinear); }
 void* torchbridge_paged_decode_handler() { return reinterpret_cast<void*>(&TorchbridgePagedDecode); }

@@ -536,6 +536,7 @@ void* torchbridge_attention_backward_handler();  // host_calls.cpp
 void* torchbridge_adam_step_handler();  // host_calls.cpp
 void* torchbridge_adagrad_step_handler();  // host_calls.cpp
 void* torchbridge_paged_decode_handler();  // host_calls.cpp
+void* torchbridge_held_linear_handler();  // host_calls.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_gemm_capsule", []() { return pybind11::capsule(torchbridge_host_gemm_handler()); },
@@ -550,6 +551,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the XLA FFI handler of the CPU platform's fused attention backward");
   m.def("adam_step_capsule", []() { return pybind11::capsule(torchbridge_adam_step_handler()); },
         "the XLA FFI handler of the CPU platform's one-pass Adam/AdamW update");
+  m.def("held_linear_capsule", []() { return pybind11::capsule(torchbridge_held_linear_handler()); },
+        "XLA FFI handler: a linear by a weight the engine's kernel library holds (host_calls.cpp)");
   m.def("paged_decode_capsule", []() { return pybind11::capsule(torchbridge_paged_decode_handler()); },
         "XLA FFI handler: the engine's paged decode attention kernel (host_calls.cpp)");
   m.def("adagrad_step_capsule", []() { return pybind11::capsule(torchbridge_adagrad_step_handler()); },

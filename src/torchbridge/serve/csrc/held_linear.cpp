@@ -1,0 +1,87 @@
+// Linear layers whose weights the engine's kernel library holds, pre-packed for oneDNN, by a key.
+//
+// The engine on the bridge's device runs each step as one XLA program, and XLA:CPU multiplies 16-bit
+// floats in float32. oneDNN's packed bf16 GEMM (what the engine on the CPU calls, serve/linear.py) reads
+// half the bytes and, on a CPU with AVX512-BF16, does twice the multiply-adds per instruction. Its packed
+// weight is an opaque oneDNN tensor, not memory an XLA buffer could hold, so the engine hands it to this
+// library once (`hold_packed_weight`, under a key derived from the weight's contents) and the device's
+// custom call (device/csrc/host_calls.cpp) calls `held_linear` with that key and its input's buffer.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+struct Held {
+  at::Tensor packed;  // from mkldnn::_reorder_linear_weight
+  std::optional<at::Tensor> bias;
+  int64_t in_features;
+  int64_t out_features;
+};
+
+std::mutex g_lock;
+std::unordered_map<int64_t, Held>& held() {
+  static std::unordered_map<int64_t, Held> table;
+  return table;
+}
+
+void hold_packed_weight(int64_t key, at::Tensor packed, std::optional<at::Tensor> bias, int64_t in_features,
+                        int64_t out_features) {
+  std::lock_guard<std::mutex> guard(g_lock);
+  held()[key] = Held{std::move(packed), std::move(bias), in_features, out_features};
+}
+
+int64_t held_weights() {
+  std::lock_guard<std::mutex> guard(g_lock);
+  return static_cast<int64_t>(held().size());
+}
+
+void release_held_weights() {
+  std::lock_guard<std::mutex> guard(g_lock);
+  held().clear();
+}
+
+// out [M, N] = x [M, K] @ W.T + b, with W and b held under `key`.
+void held_linear(at::Tensor out, const at::Tensor& x, int64_t key) {
+  Held h;
+  {
+    std::lock_guard<std::mutex> guard(g_lock);
+    auto it = held().find(key);
+    TORCH_CHECK(it != held().end(), "held_linear: no weight is held under key ", key,
+                " (a program compiled for another model or process?)");
+    h = it->second;
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == h.in_features, "held_linear: x must be [rows, ", h.in_features, "]; got ",
+              x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == h.out_features &&
+                  out.scalar_type() == x.scalar_type(),
+              "held_linear: out must be [", x.size(0), ", ", h.out_features, "] of x's dtype; got ", out.sizes(), " ",
+              out.scalar_type());
+  if (x.size(0) == 0) return;
+  c10::InferenceMode mode;
+  static const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x.contiguous(), h.packed, h.bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string(""))};
+  op.callBoxed(&stack);
+  out.copy_(stack[0].toTensor());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torchbridge_serve, m) {
+  m.def("hold_packed_weight(int key, Tensor packed, Tensor? bias, int in_features, int out_features) -> ()",
+        hold_packed_weight);
+  m.def("held_weights() -> int", held_weights);
+  m.def("release_held_weights() -> ()", release_held_weights);
+  m.def("held_linear(Tensor(a!) out, Tensor x, int key) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torchbridge_serve, CPU, m) { m.impl("held_linear", held_linear); }
