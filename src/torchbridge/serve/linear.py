@@ -69,14 +69,13 @@ class Linear(nn.Linear):
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
     wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
     held: int | None = None  # the key of the weight the engine's kernel library holds (set by `hold`)
-    held_out: int = 0  # that weight's output features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.held is not None and x.numel() >= HELD_MIN_ROWS * x.shape[-1]:
-            return torch.ops.torchbridge.held_linear(x, self.held, self.held_out)
+            return torch.ops.torchbridge.held_linear(x, self.held, self.weight.shape[0])
         if self.wt is not None:
             y = x.to(self.wt.dtype) @ self.wt
             if self.bias is not None:
@@ -172,10 +171,10 @@ def hold(model: nn.Module) -> int:
 
     n = 0
     for m in model.modules():
-        w = m.weight if isinstance(m, Linear) else None
-        if w is not None and w.device.type != "cpu" and w.dtype in _HALF and packing_supported(w.dtype):
+        if isinstance(m, Linear) and m.weight.device.type != "cpu" and m.weight.dtype in _HALF \
+                and packing_supported(m.weight.dtype):
             bias = None if m.bias is None else m.bias.detach().cpu()
-            m.held, m.held_out = cpu_kernels.hold_packed_weight(w.detach().cpu(), bias), w.shape[0]
+            m.held = cpu_kernels.hold_packed_weight(m.weight.detach().cpu(), bias)
             n += 1
     return n
 

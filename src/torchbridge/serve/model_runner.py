@@ -274,14 +274,13 @@ def _transposed_weights(device: torch.device) -> bool:
     return _bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_TRANSPOSE", "1") != "0"
 
 
-def _held_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether 16-bit linears are also handed, packed, to the engine's kernel library (serve/linear.py `hold`):
-    on the bridge's device over JAX's CPU platform, where oneDNN runs 16-bit GEMMs (AVX512-BF16/AMX) and the
-    kernels build. TORCHBRIDGE_SERVE_HELD=0 keeps every product in XLA (for A/B measurements)."""
-    from torchbridge.serve import linear
-
+def _held_weights(device: torch.device) -> bool:
+    """Whether 16-bit linears are also handed, packed, to the engine's kernel library (serve/linear.py `hold`,
+    which takes the layers whose dtype oneDNN multiplies on this CPU): on the bridge's device over JAX's CPU
+    platform, where the kernels build. TORCHBRIDGE_SERVE_HELD=0 keeps every product in XLA (for A/B
+    measurements)."""
     return (_bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_HELD", "1") != "0"
-            and dtype in (torch.bfloat16, torch.float16) and linear.packing_supported(dtype) and _cpu_kernels_build())
+            and _cpu_kernels_build())
 
 
 def _replaying(device: torch.device) -> bool:
@@ -338,7 +337,7 @@ class ModelRunner:
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),
-                                held=_held_weights(self.device, self.dtype))
+                                held=_held_weights(self.device))
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]

@@ -39,7 +39,7 @@ def load_model(
     """The checkpoint in `model_dir` as the engine's model on `device`. `amx`: bf16 linears also as AMX tiles
     (serve/linear.py `pack`); `wide`: 16-bit linears' weights as float32 (`widen`); `transposed`: every linear's
     weight (widened or not) as [in, out] (`transpose`); `held`: 16-bit linears also handed, packed, to the engine's
-kernel library (`hold`: from a few rows on, products run oneDNN's 16-bit GEMM). With `target`, the
+    kernel library (`hold`: from a few rows on, products run oneDNN's 16-bit GEMM). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
