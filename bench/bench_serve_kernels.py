@@ -9,12 +9,14 @@
   weights as a decode step reads them, from memory, for the bench and the bundled model's shapes);
 - AMX linears (bf16, where the CPU has AMX): `torchbridge_serve::amx_linear` vs oneDNN's packed call at a
   decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model;
+- greedy sampling: `torchbridge_serve::row_argmax` vs `torch.max(dim=-1)` over float32 logits, 1 to 256
+  rows of a 4K, 32K and 128K vocabulary;
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
   model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -159,20 +161,37 @@ def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
                    lambda sync=sync, new=new: sync(new))
 
 
-def run(rounds: int, device_linears: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+def greedy_cases(dtype: torch.dtype):  # noqa: ANN201
+    """Greedy sampling's row maximum and index over float32 logits: torch.max(dim=-1) vs row_argmax, for
+    the bundled model's, a 32K and Llama 3's 128K vocabulary."""
+    from torchbridge.serve import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 8, 32, 256):
+        for vocab in (4096, 32000, 128256):
+            x = torch.randn(rows, vocab, generator=g).to(dtype)
+            assert torch.equal(cpu_kernels.row_argmax(x)[1], x.max(dim=-1)[1])
+            yield (f"{rows} rows, vocabulary {vocab}", lambda x=x: x.max(dim=-1),
+                   lambda x=x: cpu_kernels.row_argmax(x))
+
+
+def run(rounds: int, device_linears: bool = False, greedy: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
     out = []
     parts = [("decode attention", attention_cases, (torch.float32, torch.bfloat16)),
              ("linears", linear_cases, (torch.float32, torch.bfloat16)),
-             ("linears", cold_linear_cases, (torch.float32, torch.bfloat16))]
+             ("linears", cold_linear_cases, (torch.float32, torch.bfloat16)),
+             ("greedy sampling", greedy_cases, (torch.float32,))]
     if cpu_kernels.amx_available():
         parts.append(("AMX linears", amx_cases, (torch.bfloat16,)))
     else:
         print("no AMX-BF16 on this CPU: the AMX part is not run")
     if device_linears:
         parts = [("device linears", device_linear_cases, (torch.float32,))]
+    if greedy:
+        parts = [("greedy sampling", greedy_cases, (torch.float32,))]
     for part, cases, dtypes in parts:
         for dtype in dtypes:
             for name, old, new in cases(dtype):
@@ -208,13 +227,15 @@ def main() -> None:
     ap.add_argument("--write", type=Path, default=None)
     ap.add_argument("--device-linears", action="store_true",
                     help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
+    ap.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds, args.device_linears)
+    rows = run(args.rounds, args.device_linears, args.greedy)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
-                 f"{' --device-linears' if args.device_linears else ''} --write {args.write}`", "",
+                 f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''} "
+                 f"--write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
                  "| part | dtype | case | old ms | new ms | old / new (range) |", "|---|---|---|---:|---:|---:|"]
@@ -226,7 +247,8 @@ def main() -> None:
                   "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
                   "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). AMX linears: old is the oneDNN packed call, new "
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp); both on the same layers, weights "
-                  "packed once. Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
+                  "packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
+                  "(serve/csrc/argmax.cpp). Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
                   "time includes its call and the last output's copy back."]
         args.write.write_text("\n".join(lines) + "\n")

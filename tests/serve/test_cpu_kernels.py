@@ -209,3 +209,40 @@ def test_without_a_compiler_the_engine_runs_the_plain_ops(tmp_path, monkeypatch)
     prompts = mixed_prompts(3, seed=9)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 4096), (32, 4096), (5, 32000), (2, 128256)])
+def test_row_argmax_equals_torch_max(rows: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g)
+    best, index = cpu_kernels.row_argmax(logits)
+    ref_best, ref_index = logits.max(dim=-1)
+    assert torch.equal(index, ref_index) and torch.equal(best, ref_best)
+
+
+def test_row_argmax_ties_infinities_and_nan_as_torch_max() -> None:
+    """torch.max's rules: the first of tied maxima, NaN propagated at its first position, -inf rows at 0."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (64, 50), generator=g).float()  # many tied maxima per row
+    logits[1] = float("-inf")
+    logits[2, 7] = float("nan")
+    logits[2, 30] = float("nan")
+    logits[3, 40] = float("inf")
+    logits[4, :] = float("nan")
+    logits[5, 10] = float("-inf")
+    best, index = cpu_kernels.row_argmax(logits)
+    ref_best, ref_index = logits.max(dim=-1)
+    assert torch.equal(index, ref_index)
+    assert torch.allclose(best, ref_best, equal_nan=True)
+    assert int(index[2]) == 7 and bool(best[2].isnan()) and int(index[1]) == 0
+
+
+def test_row_argmax_of_a_strided_view_and_bad_input() -> None:
+    logits = torch.randn(4096, 6)
+    best, index = cpu_kernels.row_argmax(logits.t())  # not contiguous: made so first
+    ref_best, ref_index = logits.t().max(dim=-1)
+    assert torch.equal(index, ref_index) and torch.equal(best, ref_best)
+    with pytest.raises(RuntimeError, match="row_argmax: logits must be contiguous float32"):
+        cpu_kernels.row_argmax(torch.randn(4, 8).double())
+    with pytest.raises(RuntimeError, match="no columns"):
+        cpu_kernels.row_argmax(torch.randn(4, 0))

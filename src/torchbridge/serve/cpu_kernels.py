@@ -7,7 +7,8 @@ small ops as one pass each, with the signatures of the bridge's shipped kernels 
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
 linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). `hold_packed_weight` /
 `held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight in the library under a key,
-for the engine on the bridge's device, whose compiled step calls it by that key. They are compiled for
+for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
+(serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
 this CPU (-march=native; the CPU's flags are part of the build's key), on first use (~20 s on 2 cores).
 Where no C++ compiler works, `available()` says why and the engine runs the plain torch ops and decodes
 through its workspace.
@@ -23,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp", "held_linear.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp", "held_linear.cpp",
+                                         "argmax.cpp")]
 _HEADERS = [_CSRC / "widen.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -50,6 +52,11 @@ def available() -> str | None:
             log.warning("the engine's CPU kernels could not be built (%s); running the plain torch ops, "
                         "decoding through the workspace", _state["error"])
     return _state["error"]  # type: ignore[return-value]
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded already (never builds them: for callers that only use them if so)."""
+    return _state.get("error", "") is None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -134,3 +141,13 @@ def held_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     torch.ops.torchbridge_serve.held_linear(out, x2, key)
     return out.view(*x.shape[:-1], out_features)
+
+
+def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum and the first index holding it, as `logits.max(dim=-1)` gives them (NaN
+    propagated), for float32 logits [rows, vocab]; torch's indexed reduction is a scalar loop on the CPU."""
+    x = logits.contiguous()
+    best = torch.empty(x.shape[0], dtype=torch.float32)
+    index = torch.empty(x.shape[0], dtype=torch.int64)
+    torch.ops.torchbridge_serve.row_argmax(best, index, x)
+    return best, index

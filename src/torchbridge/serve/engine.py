@@ -18,7 +18,7 @@ from torchbridge.serve.block_manager import BlockManager
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.kv_events import KVEventLog
 from torchbridge.serve.model_runner import ModelRunner
-from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, token_logprobs
+from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, row_max, token_logprobs
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.scheduler import Batch, Scheduler
 from torchbridge.serve.sequence import Sequence, Status
@@ -334,7 +334,7 @@ class LLMEngine:
         rejection sampler (spec_decode.rejection_sample), whose tokens follow the model's distribution."""
         assert self.proposer is not None
         if seq.params.greedy:
-            target = logits.argmax(dim=-1).tolist()
+            target = row_max(logits)[1].tolist()
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
