@@ -225,9 +225,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", type=Path, default=None)
-    ap.add_argument("--device-linears", action="store_true",
-                    help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
-    ap.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
+    only = ap.add_mutually_exclusive_group()  # each replaces the default set of parts with one
+    only.add_argument("--device-linears", action="store_true",
+                      help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
+    only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = run(args.rounds, args.device_linears, args.greedy)
