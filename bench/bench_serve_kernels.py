@@ -7,8 +7,9 @@
   shapes summed, 1 to 1024 rows, with the weights in cache (the same layers every call) and "cold" at
   decode's 1-8 rows (each call a different copy of the layers, copies summing to > 64 MB: a model's
   weights as a decode step reads them, from memory, for the bench and the bundled model's shapes);
-- AMX linears (bf16, where the CPU has AMX): `torchbridge_serve::amx_linear` vs oneDNN's packed call at a
-  decode step's 1-32 rows, the bench model's and the bundled model's weight shapes summed per model;
+- tile linears (bf16, where the CPU has AMX or AVX512-BF16): `torchbridge_serve::amx_linear`, else
+  `torchbridge_serve::avx512bf16_linear` (same weight layout) vs oneDNN's packed call at a decode step's
+  1-32 rows, the bench model's and the bundled model's weight shapes summed per model;
 - greedy sampling: `torchbridge_serve::row_argmax` vs `torch.max(dim=-1)` over float32 logits, 1 to 256
   rows of a 4K, 32K and 128K vocabulary;
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
@@ -16,7 +17,7 @@
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ATTENTION = [  # rows, heads, kv heads, head size, longest context
 LINEAR_SHAPES = [(512, 1536), (512, 512), (512, 2816), (1408, 512), (512, 8000)]  # (in, out): the bench model
 ROWS = [1, 8, 32, 45, 128, 512, 1024]
 BUNDLED_SHAPES = [(256, 512), (256, 256), (256, 1536), (768, 256), (256, 4096)]  # fused qkv, o, gate/up, down, head
-AMX_ROWS = [1, 4, 8, 16, 32]
+TILE_ROWS = [1, 2, 4, 8, 16, 32]
 
 
 def timed(fn, n: int) -> float:  # noqa: ANN001
@@ -113,22 +114,32 @@ def cold_linear_cases(dtype: torch.dtype):  # noqa: ANN201
             yield f"{model}, cold, {rows} rows ({len(copies)} copies)", old, new
 
 
-def amx_cases(dtype: torch.dtype):  # noqa: ANN201
+def tile_cases(dtype: torch.dtype):  # noqa: ANN201
+    """The kernel itself at every row count (serve/linear.py routes only up to its TILE_MAX_ROWS to it: this
+    part is where that limit comes from) against the oneDNN packed call on the same layers."""
+    from torchbridge.serve import cpu_kernels
     from torchbridge.serve.linear import Linear, pack
 
+    kind = cpu_kernels.tile_kernel()
+    kernel = cpu_kernels.amx_linear if kind == "amx" else cpu_kernels.avx512bf16_linear
     for model, shapes in (("bench model", LINEAR_SHAPES), ("bundled model", BUNDLED_SHAPES)):
         layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
-        pack(layers, amx=True)
+        pack(layers, tiles=kind)
         tiles = [layer.tiles for layer in layers]
+        for layer in layers:
+            layer.tiles = None  # matmul: the oneDNN packed call
 
-        def with_tiles(on: bool, xs: list[torch.Tensor], layers=layers, tiles=tiles) -> None:  # noqa: ANN001
-            for layer, t, x in zip(layers, tiles, xs, strict=True):
-                layer.tiles = t if on else None
+        def onednn(xs: list[torch.Tensor], layers=layers) -> None:  # noqa: ANN001
+            for layer, x in zip(layers, xs, strict=True):
                 layer.matmul(x)
 
-        for rows in AMX_ROWS:
+        def tiled(xs: list[torch.Tensor], tiles=tiles) -> None:  # noqa: ANN001
+            for t, x in zip(tiles, xs, strict=True):
+                kernel(x, t)
+
+        for rows in TILE_ROWS:
             xs = [torch.randn(rows, i).to(dtype) for i, _ in shapes]
-            yield (f"{model}, {rows} rows", lambda xs=xs: with_tiles(False, xs), lambda xs=xs: with_tiles(True, xs))
+            yield f"{model}, {rows} rows", lambda xs=xs: onednn(xs), lambda xs=xs: tiled(xs)
 
 
 def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
@@ -175,7 +186,8 @@ def greedy_cases(dtype: torch.dtype):  # noqa: ANN201
                    lambda x=x: cpu_kernels.row_argmax(x))
 
 
-def run(rounds: int, device_linears: bool = False, greedy: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+def run(rounds: int, device_linears: bool = False, greedy: bool = False,
+        tiles: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -184,10 +196,13 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False) -> list
              ("linears", linear_cases, (torch.float32, torch.bfloat16)),
              ("linears", cold_linear_cases, (torch.float32, torch.bfloat16)),
              ("greedy sampling", greedy_cases, (torch.float32,))]
-    if cpu_kernels.amx_available():
-        parts.append(("AMX linears", amx_cases, (torch.bfloat16,)))
-    else:
-        print("no AMX-BF16 on this CPU: the AMX part is not run")
+    kind = cpu_kernels.tile_kernel()
+    tile_part = [(f"{kind} linears", tile_cases, (torch.bfloat16,))] if kind else []
+    if not kind:
+        print("neither AMX-BF16 nor AVX512-BF16 on this CPU: the tile-linears part is not run")
+    parts += tile_part
+    if tiles:
+        parts = tile_part
     if device_linears:
         parts = [("device linears", device_linear_cases, (torch.float32,))]
     if greedy:
@@ -229,13 +244,15 @@ def main() -> None:
     only.add_argument("--device-linears", action="store_true",
                       help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
+    only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds, args.device_linears, args.greedy)
+    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
-                 f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''} "
+                 f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''}"
+                 f"{' --tiles' if args.tiles else ''} "
                  f"--write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
@@ -246,9 +263,9 @@ def main() -> None:
         lines += ["", "Old: decode attention is `scaled_dot_product_attention` over the decode workspace (contiguous "
                   "rows padded to the step's longest context); linears are `F.linear`. New: "
                   "`torchbridge_serve::paged_decode_attention` on the paged pool; oneDNN pre-packed weights "
-                  "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). AMX linears: old is the oneDNN packed call, new "
-                  "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp); both on the same layers, weights "
-                  "packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
+                  "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). amx / avx512bf16 linears: old is the oneDNN packed call, new "
+                  "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp) or `avx512bf16_linear` "
+                  "(serve/csrc/avx512bf16_linear.cpp); both on the same layers, weights packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
                   "(serve/csrc/argmax.cpp). Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
                   "time includes its call and the last output's copy back."]

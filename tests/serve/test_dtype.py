@@ -77,7 +77,7 @@ def test_half_precision_decode_steps_within_hf_own_error(llama_dir: Path, dtype:
         from torchbridge.serve import cpu_kernels
 
         tiled = [m.tiles is not None for m in runner.model.modules() if isinstance(m, Linear)]
-        assert all(tiled) if cpu_kernels.amx_available() else not any(tiled)
+        assert all(tiled) if cpu_kernels.tile_kernel() else not any(tiled)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=TOP))
     ref32 = hf_model(str(llama_dir))
     ref16 = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch_dtype).eval()

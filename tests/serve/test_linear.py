@@ -103,24 +103,44 @@ def test_pack_widens_16bit_layers_where_onednn_has_no_16bit_gemm() -> None:
     assert model.up.wide is not None and model.up.packed is None and model.up.weight.device.type == "meta"
 
 
-# ---- bf16 on Intel AMX (serve/csrc/amx_linear.cpp) -------------------------------------------------------
+# ---- bf16 decode rows from the tile layout: Intel AMX (serve/csrc/amx_linear.cpp) and AVX512-BF16 -------
+# (serve/csrc/avx512bf16_linear.cpp). On an AMX host both kernels run and both are tested.
 
-def _amx_or_skip() -> None:
+TILE_KERNELS = ["amx", "avx512bf16"]
+
+
+def _kernel_or_skip(kind: str):  # noqa: ANN202
     from torchbridge.serve import cpu_kernels
 
     if cpu_kernels.available() is not None:
         pytest.skip(f"the engine's CPU kernels do not build here: {cpu_kernels.available()}")
-    if not cpu_kernels.amx_available():
+    if kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("this CPU has no AMX-BF16 (or Linux did not grant the tile state): the kernel cannot run")
+    if kind == "avx512bf16" and not torch.ops.torchbridge_serve.avx512bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16: the kernel cannot run")
+    return cpu_kernels.amx_linear if kind == "amx" else cpu_kernels.avx512bf16_linear
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
-@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (64, 160, False), (512, 1408, True)])
-def test_amx_kernel_is_the_float64_product_rounded_once(rows: int, n: int, k: int, bias: bool) -> None:
+def _tile_kernel_or_skip() -> str:
+    from torchbridge.serve import cpu_kernels
+
+    if cpu_kernels.available() is not None:
+        pytest.skip(f"the engine's CPU kernels do not build here: {cpu_kernels.available()}")
+    kind = cpu_kernels.tile_kernel()
+    if kind is None:
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16: no tile kernel runs")
+    return kind
+
+
+@pytest.mark.parametrize("kind", TILE_KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 32])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (64, 160, False), (160, 64, True), (512, 1408, True)])
+def test_tile_kernel_is_the_float64_product_rounded_once(kind: str, rows: int, n: int, k: int, bias: bool) -> None:
     """fp32 accumulation then one rounding to bf16: within bf16's unit roundoff (2^-8 relative) of the exact
-    product, plus fp32 accumulation error; a wrong tile layout or row mapping is off by O(1)."""
-    _amx_or_skip()
-    from torchbridge.serve.cpu_kernels import amx_linear
+    product, plus fp32 accumulation error; a wrong tile layout or row mapping is off by O(1). Output counts
+    cover one, two (96: three panels of 32), four and five panels (the AVX512-BF16 kernel's 4-panel groups
+    and its single-panel tail)."""
+    kernel = _kernel_or_skip(kind)
     from torchbridge.serve.linear import amx_layout
 
     g = torch.Generator().manual_seed(rows * n + k)
@@ -128,57 +148,64 @@ def test_amx_kernel_is_the_float64_product_rounded_once(rows: int, n: int, k: in
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
-    got = amx_linear(x, amx_layout(w), b)
+    got = kernel(x, amx_layout(w), b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), exact, rtol=2**-8 + 1e-5, atol=1e-5)
 
 
-def test_amx_layer_routes_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pack(amx=True): layers whose sizes are multiples of 32 get tiles and send <= AMX_MAX_ROWS rows to
-    the kernel, longer calls to oneDNN; both equal the float64 product; other layers get no tiles."""
-    _amx_or_skip()
+def test_tiled_layer_routes_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack(tiles=this CPU's kernel): layers whose sizes are multiples of 32 get tiles and send up to that
+    kernel's TILE_MAX_ROWS rows to it, longer calls to oneDNN; both equal the float64 product; other layers
+    get no tiles."""
+    kind = _tile_kernel_or_skip()
     from torchbridge.serve import cpu_kernels
-    from torchbridge.serve.linear import AMX_MAX_ROWS
+    from torchbridge.serve.linear import TILE_MAX_ROWS
 
     torch.manual_seed(0)
     model = nn.Sequential(Linear(64, 96, bias=True), Linear(96, 50)).to(torch.bfloat16)
     w, b = model[0].weight.detach().double().clone(), model[0].bias.detach().double().clone()
-    assert pack(model, amx=True) == 2
+    assert pack(model, tiles=kind) == 2
     assert model[0].tiles is not None and model[1].tiles is None  # 50 outputs: not a multiple of 32
     calls = []
-    real = cpu_kernels.amx_linear
-    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+    name = f"{kind}_linear"
+    real = getattr(cpu_kernels, name)
+    monkeypatch.setattr(cpu_kernels, name, lambda *a: calls.append(a[0].shape) or real(*a))
+    most = TILE_MAX_ROWS[kind]
+    for rows in (1, most, most + 1, 200):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(model[0](x).double(), x.double() @ w.T + b, atol=3e-2, rtol=2e-2)
-    assert calls == [(1, 64), (AMX_MAX_ROWS, 64)]
+    assert calls == [(1, 64), (most, 64)]
     x3 = torch.randn(2, 3, 64).bfloat16()  # [batch, seq, hidden]
     torch.testing.assert_close(model[0](x3).double(), x3.double() @ w.T + b, atol=3e-2, rtol=2e-2)
 
 
-def test_amx_kernel_refuses_bad_input_by_name() -> None:
-    _amx_or_skip()
-    from torchbridge.serve.cpu_kernels import amx_linear
+@pytest.mark.parametrize("kind", TILE_KERNELS)
+def test_tile_kernel_refuses_bad_input_by_name(kind: str) -> None:
+    kernel = _kernel_or_skip(kind)
     from torchbridge.serve.linear import amx_layout
 
+    op = f"{kind}_linear"
     tiles = amx_layout(torch.zeros(64, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="amx_linear: x has 96 features, the weight tiles 64"):
-        amx_linear(torch.zeros(2, 96, dtype=torch.bfloat16), tiles)
-    with pytest.raises(RuntimeError, match="amx_linear: x must be a contiguous 2-D bfloat16"):
-        amx_linear(torch.zeros(2, 64), tiles)
-    with pytest.raises(RuntimeError, match=r"amx_linear: bias must be contiguous bfloat16 \[64\]"):
-        amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), tiles, torch.zeros(32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=f"{op}: x has 96 features, the weight tiles 64"):
+        kernel(torch.zeros(2, 96, dtype=torch.bfloat16), tiles)
+    with pytest.raises(RuntimeError, match=f"{op}: x must be a contiguous 2-D bfloat16"):
+        kernel(torch.zeros(2, 64), tiles)
+    with pytest.raises(RuntimeError, match=rf"{op}: bias must be contiguous bfloat16 \[64\]"):
+        kernel(torch.zeros(2, 64, dtype=torch.bfloat16), tiles, torch.zeros(32, dtype=torch.bfloat16))
 
 
-def test_amx_is_the_engines_bf16_default_and_can_be_switched_off(llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    _amx_or_skip()
+@pytest.mark.parametrize("switch", ["TORCHBRIDGE_SERVE_TILES", "TORCHBRIDGE_SERVE_AMX"])
+def test_tiles_are_the_engines_bf16_default_and_can_be_switched_off(llama_dir, monkeypatch: pytest.MonkeyPatch,
+                                                                    switch: str) -> None:
+    kind = _tile_kernel_or_skip()
     from torchbridge.serve import LLM
 
-    def tiled(llm: LLM) -> list[bool]:
-        return [m.tiles is not None for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    def tiled(llm: LLM) -> list[str | None]:
+        return [m.tile_kernel if m.tiles is not None else None
+                for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
 
     kw = dict(dtype="bfloat16", block_size=4, num_blocks=32, max_model_len=64)
-    assert all(tiled(LLM(str(llama_dir), **kw)))
+    assert set(tiled(LLM(str(llama_dir), **kw))) == {kind}
     assert not any(tiled(LLM(str(llama_dir), **{**kw, "dtype": "float32"})))
-    monkeypatch.setenv("TORCHBRIDGE_SERVE_AMX", "0")
+    monkeypatch.setenv(switch, "0")
     assert not any(tiled(LLM(str(llama_dir), **kw)))

@@ -5,7 +5,9 @@
 longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
 small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
-linear layer's few decode rows on Intel AMX where the CPU has it (serve/linear.py). `hold_packed_weight` /
+linear layer's few decode rows on Intel AMX where the CPU has it, `avx512bf16_linear`
+(serve/csrc/avx512bf16_linear.cpp) the same product from the same weight layout with AVX512-BF16 where it
+has that and no AMX (serve/linear.py). `hold_packed_weight` /
 `held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight in the library under a key,
 for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
 (serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
@@ -24,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp", "held_linear.cpp",
-                                         "argmax.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp",
+                                      "avx512bf16_linear.cpp", "held_linear.cpp", "argmax.cpp")]
 _HEADERS = [_CSRC / "widen.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -100,13 +102,32 @@ def amx_available() -> bool:
     return available() is None and bool(torch.ops.torchbridge_serve.amx_available())
 
 
+def tile_kernel() -> str | None:
+    """The kernel that runs bf16 decode rows from a weight in `amx_layout` on this CPU: "amx", else
+    "avx512bf16" (vdpbf16ps, serve/csrc/avx512bf16_linear.cpp), else None (or the kernels did not load)."""
+    if available() is not None:
+        return None
+    if torch.ops.torchbridge_serve.amx_available():
+        return "amx"
+    return "avx512bf16" if torch.ops.torchbridge_serve.avx512bf16_available() else None
+
+
+def _tiled(op, x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], w_tiles.shape[0] * 32, dtype=x.dtype, device=x.device)
+    op(out, x2, w_tiles, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def amx_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in bf16 with fp32 accumulation; `w_tiles` is W [N, K] laid out by
     serve/linear.py `amx_layout`. Returns [..., N]."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(x2.shape[0], w_tiles.shape[0] * 32, dtype=x.dtype, device=x.device)
-    torch.ops.torchbridge_serve.amx_linear(out, x2, w_tiles, bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _tiled(torch.ops.torchbridge_serve.amx_linear, x, w_tiles, bias)
+
+
+def avx512bf16_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`amx_linear`'s product from the same layout, with AVX512-BF16's vdpbf16ps instead of AMX tiles."""
+    return _tiled(torch.ops.torchbridge_serve.avx512bf16_linear, x, w_tiles, bias)
 
 
 def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:

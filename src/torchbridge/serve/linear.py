@@ -16,11 +16,12 @@ every call uses the packed weight and the plain one is released (left on the met
 shape) unless another module shares it (tied embeddings): the linears hold their weights once, not twice.
 
 On a CPU with Intel AMX the engine's CPU kernels (serve/cpu_kernels.py) add a third form for bf16:
-`pack(model, amx=True)` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most
+`pack(model, tiles="amx")` also lays each weight out as AMX tiles (`amx_layout`), and calls of at most
 `AMX_MAX_ROWS` rows (decode steps) run `amx_linear`: 1.2-1.6x oneDNN's packed call at 1-32 rows over the
 bench and bundled models' five layer shapes summed, 2-5x for single shapes with the weight in cache (the
-"AMX linears" part of bench/bench_serve_kernels.py). Longer calls (prefill) keep oneDNN, so such a layer
-holds its weight twice.
+tile-linears part of bench/bench_serve_kernels.py). Longer calls (prefill) keep oneDNN, so such a layer
+holds its weight twice. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4/5) `tiles="avx512bf16"` keeps the
+same layout for `avx512bf16_linear` (its tile rows are vdpbf16ps's operand), up to `AVX512BF16_MAX_ROWS`.
 
 Where oneDNN has no 16-bit GEMM for this CPU (no AVX512-BF16/AMX: `packing_supported` is False), torch's
 own bf16 GEMM ran ~10x slower than float32's from 16 rows up (AMD EPYC with AVX2: 2.6 vs 0.53 ms at 16 x 256
@@ -65,7 +66,8 @@ class Linear(nn.Linear):
     """nn.Linear whose matmul uses `packed` (set by `pack`) when it has one."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the weight as AMX tiles (set by `pack`)
+    tiles: torch.Tensor | None = None  # the weight in `amx_layout` (set by `pack`)
+    tile_kernel: str | None = None  # which kernel multiplies by `tiles`: "amx" or "avx512bf16"
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
     wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
     held: int | None = None  # the key of the weight the engine's kernel library holds (set by `hold`)
@@ -84,8 +86,9 @@ class Linear(nn.Linear):
         if self.wide is not None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.wide, bias).to(x.dtype)
-        if self.tiles is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
-            return cpu_kernels.amx_linear(x, self.tiles, self.bias)
+        if self.tiles is not None and x.numel() <= TILE_MAX_ROWS[self.tile_kernel] * x.shape[-1]:
+            kernel = cpu_kernels.amx_linear if self.tile_kernel == "amx" else cpu_kernels.avx512bf16_linear
+            return kernel(x, self.tiles, self.bias)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
@@ -97,6 +100,12 @@ HELD_MIN_ROWS = 4
 # Above this many rows oneDNN's blocked GEMM catches up with the AMX kernel's one pass per 32 columns
 # (alternated microbench: 1.2-4.7x at 1-32 rows, 0.9-1.2x at 48-64, 0.56-0.98x at 128-512).
 AMX_MAX_ROWS = 32
+# The AVX512-BF16 kernel re-reads a layer's weight for every 4 rows: on the bench model's layers it is level
+# with oneDNN's blocked GEMM at 1-8 rows (0.95-1.26x, noisy) and behind from 16 (0.78-0.88x); on the bundled
+# model's smaller ones it is 1.9-2.2x at 1-4 rows, 1.5x at 8, 1.3x at 16, 1.14x at 32 (AMD EPYC Zen 4,
+# bench/bench_serve_kernels.py --tiles, docs/benchmarks/serve_kernels_zen4.md).
+AVX512BF16_MAX_ROWS = 8
+TILE_MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512bf16": AVX512BF16_MAX_ROWS}
 
 
 def amx_layout(w: torch.Tensor) -> torch.Tensor:
@@ -123,10 +132,11 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def pack(model: nn.Module, amx: bool = False) -> int:
+def pack(model: nn.Module, tiles: str | None = None) -> int:
     """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs; 16-bit layers it does
     not run on this CPU are widened instead); returns how many.
-    `amx`: also give bf16 layers their AMX tiles (the engine's CPU kernels loaded and `amx_available()`)."""
+    `tiles`: also give bf16 layers their weight in `amx_layout`, for that kernel's decode rows ("amx" or
+    "avx512bf16": what the engine's CPU kernels' `tile_kernel()` names here)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = _shared(model)
     n = 0
@@ -139,8 +149,8 @@ def pack(model: nn.Module, amx: bool = False) -> int:
         if w.device.type != "cpu" or not packing_supported(w.dtype):
             continue
         m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        if amx and _amx_fits(w, m.bias):
-            m.tiles = amx_layout(w.detach())
+        if tiles is not None and _amx_fits(w, m.bias):
+            m.tiles, m.tile_kernel = amx_layout(w.detach()), tiles
         _release(m, shared)
         n += 1
     return n

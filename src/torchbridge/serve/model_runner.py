@@ -295,12 +295,14 @@ def _cpu_kernels_build() -> bool:
     return cpu_kernels.available() is None
 
 
-def _amx() -> bool:
-    """bf16 decode-row linears on AMX (serve/linear.py) where the CPU has it; TORCHBRIDGE_SERVE_AMX=0 keeps
-    them on oneDNN (for A/B measurements)."""
+def _tile_kernel() -> str | None:
+    """The kernel for bf16 decode-row linears (serve/linear.py): AMX, else AVX512-BF16, where the CPU has it;
+    TORCHBRIDGE_SERVE_TILES=0 (or the older TORCHBRIDGE_SERVE_AMX=0) keeps them on oneDNN (for A/B runs)."""
     from torchbridge.serve import cpu_kernels
 
-    return os.environ.get("TORCHBRIDGE_SERVE_AMX", "1") != "0" and cpu_kernels.amx_available()
+    if "0" in (os.environ.get("TORCHBRIDGE_SERVE_TILES"), os.environ.get("TORCHBRIDGE_SERVE_AMX")):
+        return None
+    return cpu_kernels.tile_kernel()
 
 
 class ModelRunner:
@@ -333,9 +335,9 @@ class ModelRunner:
         # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
-        amx = self.decode_kernel and self.dtype == torch.bfloat16 and _amx()
+        tiles = _tile_kernel() if self.decode_kernel and self.dtype == torch.bfloat16 else None
         _load_kernels_for_device(self.device)
-        self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, amx,
+        self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, tiles,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),
                                 held=_held_weights(self.device))
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
