@@ -179,6 +179,81 @@ def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # the values beside them untouched
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("rows,width", [(1, 1408), (32, 1408), (5, 37), (3, 5)])
+def test_swiglu_matches_eager_silu_times_up(dtype: torch.dtype, rows: int, width: int) -> None:
+    """On the halves of one gate|up buffer, as the fused projection gives them (rows strided); widths that
+    leave a tail past the 16-lane loop, and values far out on both sides of silu."""
+    g = torch.Generator().manual_seed(rows * 10 + width)
+    gate_up = 4 * torch.randn(rows, 2 * width, generator=g)
+    gate_up[0, :3] = torch.tensor([-90.0, 90.0, 0.0])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_kernels.swiglu(gate, up)
+    eager = F.silu(gate) * up
+    torch.testing.assert_close(got, eager, **TOL[dtype])
+    # no less accurate than the eager ops, against float64
+    exact = F.silu(gate.double()) * up.double()
+    assert (got.double() - exact).abs().max() <= (eager.double() - exact).abs().max() * 1.01 + 1e-30
+    # separate tensors, and a NaN in gate, alike
+    gate2, up2 = gate.clone(), up.clone()
+    gate2[-1, -1] = float("nan")
+    got2 = cpu_kernels.swiglu(gate2, up2)
+    assert torch.isnan(got2[-1, -1])
+    torch.testing.assert_close(got2.flatten()[:-1], (F.silu(gate2) * up2).flatten()[:-1], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_rotary_into_cache_writes_the_rotated_keys_and_values(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(11)
+    n, heads, kv_heads, d, blocks, block_size = 7, 4, 2, 32, 6, 4
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)  # q, k, v are views of it
+    q, k, v = (t.reshape(n, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    angles = torch.rand(n, d // 2, generator=g) * 50
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    want_q, want_k = want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)
+    k_cache = torch.randn(blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=g)[:n]
+    k_before, v_before, v_rows = k_cache.clone(), v_cache.clone(), v.clone()
+    got_q, got_k = cpu_kernels.rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    assert torch.equal(flat_k[slots], got_k) and torch.equal(flat_v[slots], v_rows)
+    others = torch.ones(blocks * block_size, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(flat_k[others], k_before.view(-1, kv_heads, d)[others])
+    assert torch.equal(flat_v[others], v_before.view(-1, kv_heads, d)[others])
+    # a slot past the cache is refused by name before anything is written
+    k_before, q_before = k_cache.clone(), q.clone()
+    bad = slots.clone()
+    bad[-1] = blocks * block_size
+    with pytest.raises(RuntimeError, match="rotary_into_cache: token 6's slot 24 is outside the cache's 24 slots"):
+        cpu_kernels.rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, bad)
+    assert torch.equal(k_cache, k_before) and torch.equal(q, q_before)
+
+
+def test_decode_attention_takes_rows_of_a_wider_buffer() -> None:
+    """q as the step's q|k|v product gives it (each row's heads contiguous, rows strided): the same result."""
+    g = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, d, block_size = 5, 4, 2, 32, 16
+    k_cache = torch.randn(12, block_size, kv_heads, d, generator=g)
+    v_cache = torch.randn(12, block_size, kv_heads, d, generator=g)
+    tables = torch.randperm(12, generator=g)[: rows * 2].view(rows, 2)
+    lens = torch.tensor([1, 17, 32, 9, 25])
+    wide = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    q = wide[:, : heads * d].view(rows, heads, d)
+    assert not q.is_contiguous()
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    assert torch.equal(got, cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, 0.2))
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, 0.2, None), atol=1e-5, rtol=1e-5)
+
+
 def test_pointwise_bad_input_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="rms_norm: .*must share dtype"):
         cpu_kernels.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
@@ -186,6 +261,12 @@ def test_pointwise_bad_input_is_refused_by_name() -> None:
         cpu_kernels.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="rotary: q must be"):
         cpu_kernels.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 1, 7), torch.zeros(2, 7), torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="swiglu: gate and up must be"):
+        cpu_kernels.swiglu(torch.zeros(2, 8), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="rotary_into_cache: slots must be"):
+        cpu_kernels.rotary_into_cache(torch.zeros(2, 2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
+                                      torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, 4, 1, 8),
+                                      torch.zeros(3, 4, 1, 8), torch.zeros(3, dtype=torch.long))
 
 
 def test_without_a_compiler_the_engine_runs_the_plain_ops(tmp_path, monkeypatch) -> None:

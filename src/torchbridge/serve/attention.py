@@ -56,6 +56,7 @@ class PagedDecodeGroup:
     block_tables: torch.Tensor  # [R, max_blocks] int64 (past a row's blocks: the scratch block)
     context_lens: torch.Tensor  # [R] int64 keys each row attends to, positions [0, len)
     window: int | None  # sliding window: only the last `window` positions are visible
+    in_order: bool = False  # row i is the step's token i, for every token: the kernel's output is the result
 
 
 @dataclass
@@ -186,16 +187,26 @@ def paged_attention(
     scale: float,
     layer: int = 0,
     decode_kernel: Any = None,
+    cached: bool = False,
 ) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D].
     `layer` picks the layer's buffers of a decode workspace. `decode_kernel`: the shipped paged-
     attention kernel (torchbridge.kernels), used for decode groups (one query per row): it reads the
-    blocks in place instead of gathering them, and needs each row's keys to be [0, context length)."""
+    blocks in place instead of gathering them, and needs each row's keys to be [0, context length).
+    `cached`: k and v are in the cache already (the CPU kernels' `rotary_into_cache` wrote them)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    # index_copy_/index_select rather than advanced indexing: same result, markedly cheaper on cpu.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if not cached:
+        # index_copy_/index_select rather than advanced indexing: same result, markedly cheaper on cpu.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    g0 = meta.groups[0] if len(meta.groups) == 1 else None
+    if isinstance(g0, PagedDecodeGroup) and g0.in_order and g0.query_index.shape[0] == n:
+        # every token a decode row, in order (a plain decode step): the kernel's rows are the output
+        from torchbridge.serve.cpu_kernels import paged_decode_attention
+
+        o = paged_decode_attention(q, k_cache, v_cache, g0.block_tables, g0.context_lens, scale, g0.window)
+        return o.view(n, num_heads * head_dim)
     out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
         if isinstance(g, WorkspaceGroup):

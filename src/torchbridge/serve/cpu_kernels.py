@@ -2,8 +2,9 @@
 
 `paged_decode_attention` reads each decoding sequence's keys and values from the paged cache in place
 (serve/csrc/paged_attention.cpp): a decode step neither gathers the context nor pads it to the step's
-longest one. `rms_norm`, `add_rms_norm` and `rotary` (serve/csrc/pointwise.cpp) are the decoder layer's
-small ops as one pass each, with the signatures of the bridge's shipped kernels (torchbridge.kernels),
+longest one. `rms_norm`, `add_rms_norm`, `rotary` and `swiglu` (serve/csrc/pointwise.cpp) are the decoder
+layer's small ops as one pass each (`rotary_into_cache` also writes the step's keys and values into the
+paged cache), with the signatures of the bridge's shipped kernels (torchbridge.kernels),
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
 linear layer's few decode rows on Intel AMX where the CPU has it, `avx512bf16_linear`
 (serve/csrc/avx512bf16_linear.cpp) the same product from the same weight layout with AVX512-BF16 where it
@@ -65,11 +66,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of one query per row over positions [0, len) (the last `window` of them if given).
 
-    q: [R, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [R, max_blocks] and context_lens
-    [R] (int64). Returns [R, H, D] in q's dtype; a row of length 0 gives zeros."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    torch.ops.torchbridge_serve.paged_decode_attention(out, q.contiguous(), k_cache, v_cache, block_tables,
-                                                       context_lens, scale, window or 0)
+    q: [R, H, D] (each row's heads contiguous, rows at any stride); caches [num_blocks, block_size, KVH, D];
+    block_tables [R, max_blocks] and context_lens [R] (int64). Returns [R, H, D] (contiguous) in q's dtype;
+    a row of length 0 gives zeros."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if q.stride(-1) != 1 or (q.shape[1] > 1 and q.stride(1) != q.shape[2]):
+        q = q.contiguous()  # (rows may stay strided: a slice of the step's q|k|v product)
+    torch.ops.torchbridge_serve.paged_decode_attention.default(out, q, k_cache, v_cache, block_tables, context_lens,
+                                                               scale, window or 0)
     return out
 
 
@@ -95,6 +99,26 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """q [N, H, D] and k [N, KVH, D] rotated in place by cos/sin [N, D] (Llama's rotate-half form); returns them."""
     torch.ops.torchbridge_serve.rotary(q, k, cos.contiguous(), sin.contiguous())
     return q, k
+
+
+def rotary_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary`, then token t's k and v rows written to cache slot slots[t] (caches [num_blocks, block_size,
+    KVH, D]): what the attention's two index_copy_ calls did, in the same pass. Returns q, k."""
+    torch.ops.torchbridge_serve.rotary_into_cache.default(q, k, v, cos.contiguous(), sin.contiguous(), k_cache,
+                                                          v_cache, slots)
+    return q, k
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in one pass, rounded as the two eager ops round; gate and up may be the halves of
+    the fused gate|up projection's output (rows strided)."""
+    if gate.dim() != 2:
+        return swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])).view(gate.shape)
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    torch.ops.torchbridge_serve.swiglu.default(out, gate, up)
+    return out
 
 
 def amx_available() -> bool:

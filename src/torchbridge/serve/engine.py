@@ -282,8 +282,11 @@ class LLMEngine:
         if not plain:
             return []
         seqs = [s for s, _ in plain]
+        rows = [r for _, r in plain]
+        # every row, in order (a plain decode step): no gathered copy (the sampler copies before it changes any)
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
         try:
-            out: list[Sampled | str] = list(self.sampler.sample(logits[[r for _, r in plain]], seqs))
+            out: list[Sampled | str] = list(self.sampler.sample(picked, seqs))
         except Exception:  # noqa: BLE001
             out = []
             for seq, r in plain:

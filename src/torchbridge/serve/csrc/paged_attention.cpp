@@ -63,14 +63,7 @@ inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T*
 // transposing reduction for all 16 (one horizontal sum per key was most of the loop's time).
 // Values: each head's output held in registers over the whole context.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using torchbridge_serve::load16;
 
 // Lane j of the result: the sum of v[j]'s 16 lanes. Always inlined, as scores16: called, their 16
 // accumulators went through the stack on every step of the loop.
@@ -155,6 +148,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);  // a row of q may be a slice of the step's q|k|v product
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -197,7 +191,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
       locate(r, where);
       const int64_t n = where.size();
       float* s = sp + r * heads * longest;
-      for (int64_t i = 0; i < heads * d; ++i) qf[i] = widen(qp[r * heads * d + i]) * scale;
+      for (int64_t i = 0; i < heads * d; ++i) qf[i] = widen(qp[r * q_row + i]) * scale;
       for (int64_t kv = 0; kv < kv_heads; ++kv) prefetch_head(kp, where.data(), std::min(n, chunk), kv * d, d);
       for (int64_t j0 = 0; j0 < n; j0 += chunk) {
         const int64_t count = std::min(chunk, n - j0);
@@ -256,6 +250,12 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   });
 }
 
+// Whether each row of x [R, H, D] holds its heads contiguously (strides of size-1 dimensions do not count).
+bool rows_of_heads(const at::Tensor& x) {
+  return (x.size(2) <= 1 || x.stride(2) == 1) && (x.size(1) <= 1 || x.stride(1) == x.size(2)) &&
+         (x.size(0) <= 1 || x.stride(0) >= x.size(1) * x.size(2));
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window) {
@@ -272,9 +272,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                   context_lens.size(0) == q.size(0) && block_tables.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables must be [R, max_blocks] int64 and context_lens [R] int64");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  TORCH_CHECK(rows_of_heads(q) &&
+                  out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
-              "paged_decode_attention: every tensor must be contiguous");
+              "paged_decode_attention: every tensor must be contiguous (q: each row's heads; rows may be strided)");
   // Bounds once here, so the kernel's loops read only the pool: a bad table is an error, not a wild read.
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();

@@ -10,6 +10,13 @@
 //   add_rms_norm(out, residual, x, weight, eps)    residual += x (the layer's stream); out = norm(residual)
 //   rotary(q, k, cos, sin)                         q: [N, H, D], k: [N, KVH, D] (row strides allowed),
 //                                                  rotated in place; cos, sin: [N, D] in q's dtype
+//   rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+//                                                  rotary, then each token's k and v rows written to its
+//                                                  cache slot (caches [num_blocks, block_size, KVH, D],
+//                                                  slots [N] int64): the step's two index_copy_ calls
+//   swiglu(out, gate, up)                          gate, up: [N, I] (row strides allowed: the halves of the
+//                                                  fused gate|up projection's output), out [N, I] =
+//                                                  silu(gate) * up, each rounded as F.silu(gate) * up rounds
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,7 +27,10 @@
 
 #include "widen.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -128,16 +138,117 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor&
   });
 }
 
+void rotary_into_cache(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(v.dim() == 3 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2),
+              "rotary_into_cache: v must be shaped and typed as k [N, KVH, D] (each token's heads contiguous); got v ",
+              v.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
+                  k_cache.size(3) == k.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
+              "rotary_into_cache: the caches must be contiguous [num_blocks, block_size, KVH, D] alike, in k's dtype; "
+              "got ", k_cache.sizes(), " and ", v_cache.sizes(), " for k ", k.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "rotary_into_cache: slots must be [N] int64, one per token; got ", slots.sizes(), " ",
+              slots.scalar_type(), " for ", k.size(0), " tokens");
+  const int64_t n = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)  // before anything is written: a bad slot is an error, not a wild write
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rotary_into_cache: token ", t, "'s slot ", sp[t],
+                " is outside the cache's ", num_slots, " slots");
+  rotary(q, k, cos, sin);
+  const int64_t row = k.size(1) * k.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "rotary_into_cache", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t ks = k.stride(0), vs = v.stride(0);
+    for (int64_t t = 0; t < n; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(scalar_t));
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row * sizeof(scalar_t));
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// e^x in fp32 (within ~1 ulp over the clamped range; past it the result saturates, which silu's
+// division turns into its limits). Cephes' expf: x = n ln2 + r with ln2 in two parts, |r| <= ln2 / 2,
+// e^r by its degree-7 polynomial, then 2^n with scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+template <typename T>
+void swiglu_row(T* out, const T* g, const T* u, int64_t width) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    using torchbridge_serve::load16;
+    for (; i + 16 <= width; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = torchbridge_serve::rounded(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), g);
+      torchbridge_serve::store16(out + i, _mm512_mul_ps(silu, load16(u + i)));
+    }
+  }
+#endif
+  for (; i < width; ++i) {
+    const float x = widen(g[i]);
+    out[i] = static_cast<T>(round_to<T>(x / (1.f + std::exp(-x))) * widen(u[i]));
+  }
+}
+
+void swiglu(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type() &&
+                  (gate.size(1) <= 1 || (gate.stride(1) == 1 && up.stride(1) == 1)),
+              "swiglu: gate and up must be [N, I] alike, each row contiguous; got gate ", gate.sizes(), " strides ",
+              gate.strides(), ", up ", up.sizes(), " strides ", up.strides());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == gate.sizes() && out.scalar_type() == gate.scalar_type(),
+              "swiglu: out must be contiguous [N, I] in gate's dtype; got ", out.sizes(), " ", out.scalar_type(),
+              " for gate ", gate.sizes(), " ", gate.scalar_type());
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "swiglu", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* up_p = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t gs = gate.stride(0), us = up.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) swiglu_row(op + r * width, gp + r * gs, up_p + r * us, width);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchbridge_serve, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("rotary_into_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slots) -> ()");
+  m.def("swiglu(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torchbridge_serve, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rotary", rotary);
+  m.impl("rotary_into_cache", rotary_into_cache);
+  m.impl("swiglu", swiglu);
 }

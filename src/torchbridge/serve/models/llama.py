@@ -63,7 +63,7 @@ class _Kernels:
 
     def kernel(self, name: str, x: torch.Tensor) -> Any:
         """The module of shipped kernel `name` (torchbridge.kernels.<name>) when it applies to `x`, else None."""
-        if self.cpu and x.device.type == "cpu" and name in ("rms_norm", "rotary"):
+        if self.cpu and x.device.type == "cpu" and name in ("rms_norm", "rotary", "swiglu"):
             from torchbridge.serve import cpu_kernels
 
             return cpu_kernels
@@ -178,14 +178,19 @@ class Attention(_Kernels, nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         kern = self.kernel("rotary", q)
-        if kern is not None:
+        cached = False
+        if kern is not None and hasattr(kern, "rotary_into_cache") and cache[0].device == k.device:
+            q, k = kern.rotary_into_cache(q, k, v, cos[:, 0], sin[:, 0], cache[0], cache[1], meta.slot_mapping)
+            cached = True
+        elif kern is not None:
             q, k = kern.rotary(q, k, cos[:, 0], sin[:, 0])
         else:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         kern = self.kernel("paged_attention", q) if self.sliding_window is None else None
         decode = None if kern is None else kern.paged_attention
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer, decode_kernel=decode)
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer, decode_kernel=decode,
+                              cached=cached)
         return self.o_proj(out)
 
 
