@@ -12,12 +12,15 @@
   1-32 rows, the bench model's and the bundled model's weight shapes summed per model;
 - greedy sampling: `torchbridge_serve::row_argmax` vs `torch.max(dim=-1)` over float32 logits, 1 to 256
   rows of a 4K, 32K and 128K vocabulary;
+- layer ops: `torchbridge_serve::swiglu` vs `F.silu(gate) * up` on the fused gate|up output's halves, and
+  `torchbridge_serve::rotary_into_cache` vs `rotary` + the attention's two `index_copy_` calls into the
+  paged cache, 1 to 512 rows of the bench and the bundled model's shapes;
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
   model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --layer-ops] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -186,8 +189,47 @@ def greedy_cases(dtype: torch.dtype):  # noqa: ANN201
                    lambda x=x: cpu_kernels.row_argmax(x))
 
 
+LAYER_MODELS = [("bench", 8, 8, 64, 1408), ("bundled", 4, 2, 64, 768)]  # heads, kv heads, head size, intermediate
+
+
+def layer_op_cases(dtype: torch.dtype):  # noqa: ANN201
+    """A decoder layer's small ops, eager vs the CPU kernels, on the bench and the bundled model's shapes:
+    silu(gate) * up over the fused gate|up output's halves vs `swiglu`; `rotary` and the attention's two
+    index_copy_ calls into the paged cache vs `rotary_into_cache`."""
+    from torchbridge.serve import cpu_kernels
+
+    def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # the kernel itself, at every row count
+        out = torch.empty(gate.shape, dtype=gate.dtype)
+        torch.ops.torchbridge_serve.swiglu.default(out, gate, up)
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    for model, heads, kv_heads, d, inter in LAYER_MODELS:
+        for rows in (1, 8, 16, 32, 512):
+            gate, up = torch.randn(rows, 2 * inter, generator=g).to(dtype).chunk(2, dim=-1)
+            yield (f"{model} swiglu, {rows} rows x {inter}", lambda gate=gate, up=up: F.silu(gate) * up,
+                   lambda gate=gate, up=up: swiglu_op(gate, up))
+        for rows in (1, 8, 32, 512):
+            qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+            q, k, v = (t.reshape(rows, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+            cos, sin = torch.randn(rows, d, generator=g).to(dtype), torch.randn(rows, d, generator=g).to(dtype)
+            k_cache = torch.zeros(2048, 16, kv_heads, d, dtype=dtype)
+            v_cache = torch.zeros_like(k_cache)
+            slots = torch.randperm(2048 * 16, generator=g)[:rows]
+
+            def old(q=q, k=k, v=v, cos=cos, sin=sin, kc=k_cache, vc=v_cache, slots=slots) -> None:  # noqa: ANN001
+                cpu_kernels.rotary(q, k, cos, sin)
+                kc.view(-1, k.shape[1], k.shape[2]).index_copy_(0, slots, k)
+                vc.view(-1, v.shape[1], v.shape[2]).index_copy_(0, slots, v)
+
+            def new(q=q, k=k, v=v, cos=cos, sin=sin, kc=k_cache, vc=v_cache, slots=slots) -> None:  # noqa: ANN001
+                cpu_kernels.rotary_into_cache(q, k, v, cos, sin, kc, vc, slots)
+
+            yield f"{model} rotary + cache write, {rows} rows", old, new
+
+
 def run(rounds: int, device_linears: bool = False, greedy: bool = False,
-        tiles: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+        tiles: bool = False, layer_ops: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -195,7 +237,8 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False,
     parts = [("decode attention", attention_cases, (torch.float32, torch.bfloat16)),
              ("linears", linear_cases, (torch.float32, torch.bfloat16)),
              ("linears", cold_linear_cases, (torch.float32, torch.bfloat16)),
-             ("greedy sampling", greedy_cases, (torch.float32,))]
+             ("greedy sampling", greedy_cases, (torch.float32,)),
+             ("layer ops", layer_op_cases, (torch.float32, torch.bfloat16))]
     kind = cpu_kernels.tile_kernel()
     tile_part = [(f"{kind} linears", tile_cases, (torch.bfloat16,))] if kind else []
     if not kind:
@@ -207,6 +250,8 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False,
         parts = [("device linears", device_linear_cases, (torch.float32,))]
     if greedy:
         parts = [("greedy sampling", greedy_cases, (torch.float32,))]
+    if layer_ops:
+        parts = [("layer ops", layer_op_cases, (torch.float32, torch.bfloat16))]
     for part, cases, dtypes in parts:
         for dtype in dtypes:
             for name, old, new in cases(dtype):
@@ -245,14 +290,15 @@ def main() -> None:
                       help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
+    only.add_argument("--layer-ops", action="store_true", help="only the layer-ops part (swiglu, rotary + cache write)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles)
+    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
                  f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''}"
-                 f"{' --tiles' if args.tiles else ''} "
+                 f"{' --tiles' if args.tiles else ''}{' --layer-ops' if args.layer_ops else ''} "
                  f"--write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
@@ -266,7 +312,8 @@ def main() -> None:
                   "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). amx / avx512bf16 linears: old is the oneDNN packed call, new "
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp) or `avx512bf16_linear` "
                   "(serve/csrc/avx512bf16_linear.cpp); both on the same layers, weights packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
-                  "(serve/csrc/argmax.cpp). Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
+                  "(serve/csrc/argmax.cpp). Layer ops: old `F.silu(gate) * up`, or `rotary` then two `index_copy_` into the "
+                  "paged cache; new `torchbridge_serve::swiglu` / `rotary_into_cache` (serve/csrc/pointwise.cpp). Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
                   "time includes its call and the last output's copy back."]
         args.write.write_text("\n".join(lines) + "\n")

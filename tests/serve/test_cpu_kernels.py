@@ -179,8 +179,14 @@ def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # the values beside them untouched
 
 
+def swiglu_kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    torch.ops.torchbridge_serve.swiglu.default(out, gate, up)
+    return out
+
+
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("rows,width", [(1, 1408), (32, 1408), (5, 37), (3, 5)])
+@pytest.mark.parametrize("rows,width", [(1, 1408), (32, 1408), (5, 37), (3, 5), (17, 37)])
 def test_swiglu_matches_eager_silu_times_up(dtype: torch.dtype, rows: int, width: int) -> None:
     """On the halves of one gate|up buffer, as the fused projection gives them (rows strided); widths that
     leave a tail past the 16-lane loop, and values far out on both sides of silu."""
@@ -189,7 +195,8 @@ def test_swiglu_matches_eager_silu_times_up(dtype: torch.dtype, rows: int, width
     gate_up[0, :3] = torch.tensor([-90.0, 90.0, 0.0])
     gate_up = gate_up.to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    got = cpu_kernels.swiglu(gate, up)
+    got = swiglu_kernel(gate, up)  # (cpu_kernels.swiglu leaves fewer than SWIGLU_MIN_ROWS rows to the eager ops)
+    torch.testing.assert_close(cpu_kernels.swiglu(gate, up), got, **TOL[dtype])
     eager = F.silu(gate) * up
     torch.testing.assert_close(got, eager, **TOL[dtype])
     # no less accurate than the eager ops, against float64
@@ -198,7 +205,7 @@ def test_swiglu_matches_eager_silu_times_up(dtype: torch.dtype, rows: int, width
     # separate tensors, and a NaN in gate, alike
     gate2, up2 = gate.clone(), up.clone()
     gate2[-1, -1] = float("nan")
-    got2 = cpu_kernels.swiglu(gate2, up2)
+    got2 = swiglu_kernel(gate2, up2)
     assert torch.isnan(got2[-1, -1])
     torch.testing.assert_close(got2.flatten()[:-1], (F.silu(gate2) * up2).flatten()[:-1], **TOL[dtype])
 
@@ -262,7 +269,7 @@ def test_pointwise_bad_input_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="rotary: q must be"):
         cpu_kernels.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 1, 7), torch.zeros(2, 7), torch.zeros(2, 7))
     with pytest.raises(RuntimeError, match="swiglu: gate and up must be"):
-        cpu_kernels.swiglu(torch.zeros(2, 8), torch.zeros(2, 4))
+        cpu_kernels.swiglu(torch.zeros(20, 8), torch.zeros(20, 4))
     with pytest.raises(RuntimeError, match="rotary_into_cache: slots must be"):
         cpu_kernels.rotary_into_cache(torch.zeros(2, 2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
                                       torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, 4, 1, 8),

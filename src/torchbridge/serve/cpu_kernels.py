@@ -111,11 +111,20 @@ def rotary_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     return q, k
 
 
+# Below this many rows the two eager ops are faster than the kernel's call (its op call costs more than theirs):
+# 0.64-0.73x at 1 row, 0.93-1.15x at 8, 1.02-1.32x at 16, 1.14-1.45x at 32 (medians over the bench and bundled
+# models' widths, fp32 and bf16: bench/bench_serve_kernels.py --layer-ops, AMD EPYC Zen 4,
+# docs/benchmarks/serve_kernels_layer_ops_zen4.md).
+SWIGLU_MIN_ROWS = 16
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one pass, rounded as the two eager ops round; gate and up may be the halves of
-    the fused gate|up projection's output (rows strided)."""
+    the fused gate|up projection's output (rows strided). Fewer than SWIGLU_MIN_ROWS rows: the eager ops."""
     if gate.dim() != 2:
         return swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])).view(gate.shape)
+    if gate.shape[0] < SWIGLU_MIN_ROWS:
+        return torch.nn.functional.silu(gate) * up
     out = torch.empty(gate.shape, dtype=gate.dtype)
     torch.ops.torchbridge_serve.swiglu.default(out, gate, up)
     return out
