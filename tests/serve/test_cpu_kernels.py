@@ -111,7 +111,7 @@ def test_a_few_queries_per_sequence_attend_as_kernel_rows(tmp_path) -> None:
     from serve_support import hf_greedy, save_model
 
     from torchbridge.serve import LLM, SamplingParams
-    from torchbridge.serve.attention import AttentionGroup, PagedDecodeGroup
+    from torchbridge.serve.attention import AttentionGroup, FreshPrefillGroup, PagedDecodeGroup
     from torchbridge.serve.model_runner import KERNEL_MAX_QUERIES
 
     model_dir = save_model(tmp_path, "llama", None, seed=3)
@@ -124,11 +124,41 @@ def test_a_few_queries_per_sequence_attend_as_kernel_rows(tmp_path) -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 16) for p in prompts]
     assert llm.engine.spec_stats.num_draft_tokens > 0
-    first = steps[0].meta.groups  # the three prefills: two short ones as kernel rows, the long one gathered
+    first = steps[0].meta.groups  # the three prefills: two short ones as kernel rows, the long one on its own
     kernel = [g for g in first if isinstance(g, PagedDecodeGroup)]
     assert len(kernel) == 1 and kernel[0].context_lens.tolist() == [1, 2, 3] + list(range(1, 9))
-    assert sum(isinstance(g, AttentionGroup) for g in first) == 1 and len(prompts[2]) > KERNEL_MAX_QUERIES
+    fresh = [g for g in first if isinstance(g, FreshPrefillGroup)]
+    assert len(fresh) == 1 and fresh[0].spans == [(11, 16)] and len(prompts[2]) > KERNEL_MAX_QUERIES
+    assert not any(isinstance(g, AttentionGroup) for g in first)
     assert all(isinstance(g, PagedDecodeGroup) for inp in steps[1:] for g in inp.meta.groups)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_prompts_from_their_first_token_attend_unpadded(tmp_path, family: str) -> None:
+    """Prompts computed from their first token attend over their own keys and values, one causal call each
+    (a FreshPrefillGroup); a long prompt's later chunks, which have context in the cache, and prompts longer
+    than a sliding window keep the gathered, masked path. Tokens equal HF's either way."""
+    from serve_support import hf_greedy, save_model
+
+    from torchbridge.serve import LLM, SamplingParams
+    from torchbridge.serve.attention import AttentionGroup, FreshPrefillGroup
+
+    window = 24 if family == "mistral" else None
+    model_dir = save_model(tmp_path, family, None, seed=5, **({"sliding_window": window} if window else {}))
+    llm = LLM(str(model_dir), block_size=4, num_blocks=256, max_model_len=160, max_num_batched_tokens=48)
+    runner = llm.engine.runner
+    steps = []
+    prepare = runner.prepare
+    runner.prepare = lambda *a, **k: (lambda inp: steps.append(inp) or inp)(prepare(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (20, 13, 100, 30)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 8) for p in prompts]
+    spans = [span for inp in steps for grp in inp.meta.groups if isinstance(grp, FreshPrefillGroup)
+             for span in grp.spans]
+    gathered = [grp for inp in steps for grp in inp.meta.groups if isinstance(grp, AttentionGroup)]
+    assert spans and gathered  # the 100-token prompt's later chunks (after 48 tokens a step) are gathered
+    assert all(window is None or count <= window for _, count in spans)
 
 
 # ---- RMSNorm and rotary (serve/csrc/pointwise.cpp) against Hugging Face's own modules ----------------

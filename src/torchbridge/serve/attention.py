@@ -16,7 +16,9 @@ decode step reads the context once (inside attention) instead of copying it out 
 The paged cache stays the source of truth (prefix caching, preemption, chunks all use it).
 
 On the CPU the engine's C++ decode kernel (serve/cpu_kernels.py) replaces both: a `PagedDecodeGroup`'s
-rows read their keys and values from the pool in place, each only up to its own length.
+rows read their keys and values from the pool in place, each only up to its own length. There, too,
+prompts computed from their first token form a `FreshPrefillGroup`: each attends over its own new keys
+and values (nothing is in the cache before them), one causal call per prompt, unpadded.
 """
 
 from __future__ import annotations
@@ -60,9 +62,18 @@ class PagedDecodeGroup:
 
 
 @dataclass
+class FreshPrefillGroup:
+    """Prompts computed from their first token (no context in the cache before this step), on the CPU: each
+    attends causally over its own new keys and values alone, with no gather from the cache, no mask and no
+    padding to the group's longest prompt."""
+
+    spans: list[tuple[int, int]]  # (first flat token, token count) of each prompt
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup]
+    groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup | FreshPrefillGroup]
 
 
 def build_mask(
@@ -209,6 +220,17 @@ def paged_attention(
         return o.view(n, num_heads * head_dim)
     out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
+        if isinstance(g, FreshPrefillGroup):
+            # One causal call per prompt: a masked call over the group padded every prompt to the longest
+            # one's length and computed every padded score (SDPA's CPU kernel skips only what is_causal says).
+            gqa = num_heads != num_kv_heads
+            for first, count in g.spans:
+                span = slice(first, first + count)
+                o = F.scaled_dot_product_attention(q[span].transpose(0, 1), k[span].transpose(0, 1),
+                                                   v[span].transpose(0, 1), is_causal=True, scale=scale,
+                                                   enable_gqa=gqa)  # [H, count, D]
+                out[span] = o.transpose(0, 1).reshape(count, num_heads * head_dim)
+            continue
         if isinstance(g, WorkspaceGroup):
             _workspace_attention(q, k, v, g, layer, out, scale)
             continue

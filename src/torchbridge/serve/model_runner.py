@@ -25,6 +25,7 @@ from torchbridge.serve.attention import (
     AttentionGroup,
     AttentionMetadata,
     DecodeWorkspace,
+    FreshPrefillGroup,
     PagedDecodeGroup,
     WorkspaceGroup,
     build_mask,
@@ -153,7 +154,7 @@ def _step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tens
 
 def _meta_on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     """`meta` with its attention groups' index tensors and mask on `device` (tensors already there stay)."""
-    groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup] = []
+    groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup | FreshPrefillGroup] = []
     for g in meta.groups:
         if isinstance(g, AttentionGroup):
             g = AttentionGroup(g.query_index.to(device), g.block_tables.to(device), g.mask.to(device),
@@ -344,6 +345,9 @@ class ModelRunner:
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]
         self.sliding_window = mc.sliding_window
+        # Prompts from their first token attend unpadded, one causal call each (attention.FreshPrefillGroup);
+        # off, they join the gathered, masked group (the bench's A/B switches it).
+        self.fresh_prefill = True
         self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
@@ -374,6 +378,7 @@ class ModelRunner:
         # Per group (decodes, chunks): (first flat token, query length, context length, block table).
         groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
         decodes: list[tuple[PlannedSeq, int, int]] = []  # (seq, flat token, position) of one-token items
+        fresh: list[tuple[int, int]] = []  # (flat token, count) of prompts from their first token (cpu kernels)
         use_kernel = self.decode_kernel and not pad
         use_ws = self.workspace is not None and not pad
         for seq in step:
@@ -390,6 +395,9 @@ class ModelRunner:
                 # A few queries (a speculative verify, a short chunk): one decode row each, its context
                 # ending at its own position (causal; the step's K/V are in the cache before attention).
                 decodes.extend((seq, first + j, start + j) for j in range(len(toks)))
+            elif (use_kernel and start == 0 and self.fresh_prefill
+                  and (self.sliding_window is None or len(toks) <= self.sliding_window)):
+                fresh.append((first, len(toks)))  # a prompt's first chunk: its own keys and values only
             else:
                 groups[len(toks) == 1].append((first, len(toks), ctx, seq.block_table))
             k = seq.num_samples
@@ -408,7 +416,7 @@ class ModelRunner:
         def tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        attn_groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup] = []
+        attn_groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup | FreshPrefillGroup] = []
         if use_kernel and decodes:
             attn_groups.append(self._kernel_group(decodes, tensor, in_order=len(decodes) == len(ids)))
         elif use_ws:
@@ -420,6 +428,8 @@ class ModelRunner:
         elif self.workspace is not None:
             self.workspace.release_all()  # a padded step does not write the workspace
         attn_groups += [self._group(g, pos, n, pad, tensor) for g in groups.values() if g]
+        if fresh:
+            attn_groups.append(FreshPrefillGroup(fresh))
         meta = AttentionMetadata(slot_mapping=tensor(slots), groups=attn_groups)
         assert num_real <= n
         return StepInput(tensor(ids), tensor(pos), meta, tensor(sample), rows, len(sample))
@@ -521,6 +531,7 @@ class ModelRunner:
             x for g in meta.groups for x in (
                 (g.query_index.shape[0], g.kv_len) if isinstance(g, WorkspaceGroup)
                 else (*g.block_tables.shape,) if isinstance(g, PagedDecodeGroup)
+                else (sum(c for _, c in g.spans),) if isinstance(g, FreshPrefillGroup)
                 else (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0])
             )
         )
