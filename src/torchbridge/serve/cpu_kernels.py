@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp",
                                       "avx512bf16_linear.cpp", "held_linear.cpp", "argmax.cpp")]
-_HEADERS = [_CSRC / "widen.h"]
+_HEADERS = [_CSRC / "widen.h", _CSRC / "exp16.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
 

@@ -25,6 +25,7 @@
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "exp16.h"
 #include "widen.h"
 
 #include <algorithm>
@@ -173,26 +174,6 @@ void rotary_into_cache(at::Tensor q, at::Tensor k, const at::Tensor& v, const at
   });
 }
 
-#if defined(__AVX512F__)
-// e^x in fp32 (within ~1 ulp over the clamped range; past it the result saturates, which silu's
-// division turns into its limits). Cephes' expf: x = n ln2 + r with ln2 in two parts, |r| <= ln2 / 2,
-// e^r by its degree-7 polynomial, then 2^n with scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 template <typename T>
 void swiglu_row(T* out, const T* g, const T* u, int64_t width) {
@@ -202,7 +183,7 @@ void swiglu_row(T* out, const T* g, const T* u, int64_t width) {
     using torchbridge_serve::load16;
     for (; i + 16 <= width; i += 16) {
       const __m512 x = load16(g + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 e = torchbridge_serve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
       const __m512 silu = torchbridge_serve::rounded(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), g);
       torchbridge_serve::store16(out + i, _mm512_mul_ps(silu, load16(u + i)));
     }
