@@ -226,10 +226,11 @@ def paged_attention(
             gqa = num_heads != num_kv_heads
             for first, count in g.spans:
                 span = slice(first, first + count)
-                o = F.scaled_dot_product_attention(q[span].transpose(0, 1), k[span].transpose(0, 1),
-                                                   v[span].transpose(0, 1), is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)  # [H, count, D]
-                out[span] = o.transpose(0, 1).reshape(count, num_heads * head_dim)
+                # 4-d: SDPA takes 3-d inputs to its math path (bmm, softmax), not the CPU flash kernel
+                o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], k[span].transpose(0, 1)[None],
+                                                   v[span].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                                   enable_gqa=gqa)  # [1, H, count, D]
+                out[span] = o[0].transpose(0, 1).reshape(count, num_heads * head_dim)
             continue
         if isinstance(g, WorkspaceGroup):
             _workspace_attention(q, k, v, g, layer, out, scale)
