@@ -346,8 +346,8 @@ class ModelRunner:
                           for _ in range(mc.num_layers)]
         self.sliding_window = mc.sliding_window
         # Prompts from their first token attend unpadded, one causal call each (attention.FreshPrefillGroup);
-        # off, they join the gathered, masked group (the bench's A/B switches it).
-        self.fresh_prefill = True
+        # off (TORCHBRIDGE_SERVE_FRESH_PREFILL=0, or set by the bench's A/B), they join the gathered, masked group.
+        self.fresh_prefill = os.environ.get("TORCHBRIDGE_SERVE_FRESH_PREFILL", "1") != "0"
         self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
