@@ -58,7 +58,6 @@ class PagedDecodeGroup:
     block_tables: torch.Tensor  # [R, max_blocks] int64 (past a row's blocks: the scratch block)
     context_lens: torch.Tensor  # [R] int64 keys each row attends to, positions [0, len)
     window: int | None  # sliding window: only the last `window` positions are visible
-    in_order: bool = False  # row i is the step's token i, for every token: the kernel's output is the result
 
 
 @dataclass
@@ -212,8 +211,9 @@ def paged_attention(
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     g0 = meta.groups[0] if len(meta.groups) == 1 else None
-    if isinstance(g0, PagedDecodeGroup) and g0.in_order and g0.query_index.shape[0] == n:
-        # every token a decode row, in order (a plain decode step): the kernel's rows are the output
+    if isinstance(g0, PagedDecodeGroup) and g0.query_index.shape[0] == n:
+        # the only group, a row per token (a plain decode step): its rows are the tokens in order (the runner
+        # lists decodes in the step's order), so the kernel's output is the result
         from torchbridge.serve.cpu_kernels import paged_decode_attention
 
         o = paged_decode_attention(q, k_cache, v_cache, g0.block_tables, g0.context_lens, scale, g0.window)

@@ -418,7 +418,7 @@ class ModelRunner:
 
         attn_groups: list[AttentionGroup | WorkspaceGroup | PagedDecodeGroup | FreshPrefillGroup] = []
         if use_kernel and decodes:
-            attn_groups.append(self._kernel_group(decodes, tensor, in_order=len(decodes) == len(ids)))
+            attn_groups.append(self._kernel_group(decodes, tensor))
         elif use_ws:
             ws_group = self._workspace_group(decodes, tensor)
             if ws_group is None:  # over the workspace's capacity: gather like the other groups
@@ -473,8 +473,7 @@ class ModelRunner:
             out_cells=tensor(out_cells),  # type: ignore[operator]
         )
 
-    def _kernel_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object,
-                      in_order: bool = False) -> PagedDecodeGroup:
+    def _kernel_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object) -> PagedDecodeGroup:
         mb = max(len(seq.block_table) for seq, _, _ in decodes)
         tables = [seq.block_table + [self.scratch_block] * (mb - len(seq.block_table)) for seq, _, _ in decodes]
         return PagedDecodeGroup(
@@ -482,7 +481,6 @@ class ModelRunner:
             block_tables=tensor(tables),  # type: ignore[operator]
             context_lens=tensor([start + 1 for _, _, start in decodes]),  # type: ignore[operator]
             window=self.sliding_window,
-            in_order=in_order,  # (decodes are in the step's token order; every token one: row i is token i)
         )
 
     def _workspace_group(self, decodes: list[tuple[PlannedSeq, int, int]], tensor: object) -> WorkspaceGroup | None:

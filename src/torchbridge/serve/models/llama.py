@@ -179,7 +179,7 @@ class Attention(_Kernels, nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         kern = self.kernel("rotary", q)
         cached = False
-        if kern is not None and hasattr(kern, "rotary_into_cache") and cache[0].device == k.device:
+        if kern is not None and hasattr(kern, "rotary_into_cache"):  # (the CPU kernels, not the shipped ones)
             q, k = kern.rotary_into_cache(q, k, v, cos[:, 0], sin[:, 0], cache[0], cache[1], meta.slot_mapping)
             cached = True
         elif kern is not None:
