@@ -1,5 +1,8 @@
-// e^x over 16 fp32 lanes, shared by the CPU kernels that need an exponential in a vector loop.
+// e^x over 16 fp32 lanes (AVX-512) or 8 (AVX2), shared by the CPU kernels that need an exponential in a
+// vector loop.
 #pragma once
+
+#include "widen.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -23,6 +26,32 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace torchbridge_serve
+#elif defined(TORCHBRIDGE_AVX2)
+
+namespace torchbridge_serve {
+
+// exp16's polynomial over eight lanes. AVX2 has no scalef: 2^n is built in the exponent bits, with n at
+// most 127 (at the upper clamp x log2(e) rounds to 128, whose exponent field would be infinity's; r then
+// stays within ln2 and the polynomial within its accuracy).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  n = _mm256_min_ps(n, _mm256_set1_ps(127.f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 }  // namespace torchbridge_serve

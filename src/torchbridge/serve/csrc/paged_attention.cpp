@@ -19,9 +19,6 @@
 #include "widen.h"
 
 #include <algorithm>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <vector>
 
@@ -122,6 +119,58 @@ inline void weighted(const float* p, int64_t count, const T* pool, const int64_t
     default: return;
   }
 }
+#elif defined(TORCHBRIDGE_AVX2)
+// The same two loops over eight lanes, where the head size is a multiple of 8: scores of 8 positions per
+// transposing reduction, each head's output in registers 64 values at a time.
+using torchbridge_serve::load8;
+
+// Lane j of the result: the sum of v[j]'s 8 lanes (pairwise hadds within each 128-bit half, then the halves).
+__attribute__((always_inline)) inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename T>
+__attribute__((always_inline)) inline __m256 scores8(const float* q, const T* pool, const int64_t* where, int64_t off,
+                                                     int64_t d) {
+  __m256 acc[8];
+  for (int x = 0; x < 8; ++x) acc[x] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int x = 0; x < 8; ++x) acc[x] = _mm256_fmadd_ps(qc, load8(pool + where[x] + off + c), acc[x]);
+  }
+  return reduce8(acc);
+}
+
+template <int NV, typename T>
+inline void weighted8(const float* p, int64_t count, const T* pool, const int64_t* where, int64_t off, float* acc) {
+  __m256 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t x = 0; x < count; ++x) {
+    const __m256 px = _mm256_set1_ps(p[x]);
+    const T* v = pool + where[x] + off;
+    for (int c = 0; c < NV; ++c) a[c] = _mm256_fmadd_ps(px, load8(v + 8 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+template <typename T>
+inline void weighted(const float* p, int64_t count, const T* pool, const int64_t* where, int64_t off, int64_t d,
+                     float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) weighted8<8>(p, count, pool, where, off + c, acc + c);
+  switch ((d - c) / 8) {
+    case 1: return weighted8<1>(p, count, pool, where, off + c, acc + c);
+    case 2: return weighted8<2>(p, count, pool, where, off + c, acc + c);
+    case 3: return weighted8<3>(p, count, pool, where, off + c, acc + c);
+    case 4: return weighted8<4>(p, count, pool, where, off + c, acc + c);
+    case 5: return weighted8<5>(p, count, pool, where, off + c, acc + c);
+    case 6: return weighted8<6>(p, count, pool, where, off + c, acc + c);
+    case 7: return weighted8<7>(p, count, pool, where, off + c, acc + c);
+    default: return;
+  }
+}
 #endif
 
 // Asks for one head's slice of the next chunk's positions (into L2) while that head computes on this chunk.
@@ -177,6 +226,8 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
 
 #if defined(__AVX512F__)
   const bool vector = !g_portable && d % 16 == 0;
+#elif defined(TORCHBRIDGE_AVX2)
+  const bool vector = !g_portable && d % 8 == 0;
 #else
   const bool vector = false;
 #endif
@@ -201,13 +252,16 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
           const int64_t off = (h / group) * d;
           float* sh = s + h * longest + j0;
           if (h % group == 0) prefetch_head(kp, w + chunk, next, off, d);  // once per KV head
+          int64_t x = 0;
 #if defined(__AVX512F__)
           if (vector && count == chunk) {
             _mm512_storeu_ps(sh, scores16(qf.data() + h * d, kp, w, off, d));
             continue;
           }
+#elif defined(TORCHBRIDGE_AVX2)
+          if (vector)
+            for (; x + 8 <= count; x += 8) _mm256_storeu_ps(sh + x, scores8(qf.data() + h * d, kp, w + x, off, d));
 #endif
-          int64_t x = 0;
           for (; x + 4 <= count; x += 4)
             dot4(qf.data() + h * d, kp + w[x] + off, kp + w[x + 1] + off, kp + w[x + 2] + off, kp + w[x + 3] + off,
                  d, sh + x);
@@ -236,7 +290,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
           const int64_t off = (h / group) * d;
           const float* ph = p + h * longest + j0;
           if (h % group == 0) prefetch_head(vp, w + chunk, next, off, d);  // once per KV head
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(TORCHBRIDGE_AVX2)
           if (vector) {
             weighted(ph, count, vp, w, off, d, acc.data() + h * d);
             continue;

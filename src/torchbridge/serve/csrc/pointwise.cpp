@@ -188,6 +188,16 @@ void swiglu_row(T* out, const T* g, const T* u, int64_t width) {
       torchbridge_serve::store16(out + i, _mm512_mul_ps(silu, load16(u + i)));
     }
   }
+#elif defined(TORCHBRIDGE_AVX2)
+  if constexpr (!std::is_same_v<T, double>) {
+    using torchbridge_serve::load8;
+    for (; i + 8 <= width; i += 8) {
+      const __m256 x = load8(g + i);
+      const __m256 e = torchbridge_serve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 silu = torchbridge_serve::rounded8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), g);
+      torchbridge_serve::store8(out + i, _mm256_mul_ps(silu, load8(u + i)));
+    }
+  }
 #endif
   for (; i < width; ++i) {
     const float x = widen(g[i]);
