@@ -106,6 +106,17 @@ def summarize(per_request: list[dict]) -> dict:
     return out
 
 
+def ttft_waves(per_request: list[dict], concurrency: int) -> dict:
+    """TTFT median (ms) of the first `concurrency` requests sent (they arrive at once and wait on each
+    other's prefill) and of the later ones (each sent when a slot frees, into a running batch). With
+    num_requests = 2 x concurrency the overall p50 falls on the boundary between the two groups and moves
+    between them from run to run; these two do not."""
+    by_start = sorted(per_request, key=lambda r: r["start"])
+    ttft = [(r["token_times"][0] - r["start"]) * 1e3 for r in by_start]
+    first, later = ttft[:concurrency], ttft[concurrency:]
+    return {"first": statistics.median(first), "later": statistics.median(later) if later else float("nan")}
+
+
 # ---- Hugging Face ---------------------------------------------------------------------------------
 class _Clock:
     """A generate() streamer that records when each step's tokens come out."""

@@ -15,12 +15,14 @@
 - layer ops: `torchbridge_serve::swiglu` vs `F.silu(gate) * up` on the fused gate|up output's halves, and
   `torchbridge_serve::rotary_into_cache` vs `rotary` + the attention's two `index_copy_` calls into the
   paged cache, 1 to 512 rows of the bench and the bundled model's shapes;
+- attention loops (`--attention-loops`): the decode attention kernel's portable loops vs its vector ones
+  (AVX-512, or AVX2 where the CPU has no AVX-512);
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
   model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --layer-ops] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --layer-ops | --attention-loops] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -73,6 +75,21 @@ def attention_cases(dtype: torch.dtype):  # noqa: ANN201
                                                                                           scale=d**-0.5),
                lambda q=q, k=k_cache, v=v_cache, t=tables, ln=lens, d=d: cpu_kernels.paged_decode_attention(
                    q, k, v, t, ln, d**-0.5))
+
+
+def attention_loop_cases(dtype: torch.dtype):  # noqa: ANN201
+    """The decode attention kernel's portable loops (what runs where the build has no vector form) vs its
+    vector ones (AVX-512, else AVX2), same call, same data."""
+    op = torch.ops.torchbridge_serve
+    for name, _, kernel in attention_cases(dtype):
+        def portable(kernel=kernel) -> None:  # noqa: ANN001
+            op._force_portable(True)
+            try:
+                kernel()
+            finally:
+                op._force_portable(False)
+
+        yield name, portable, kernel
 
 
 def linear_cases(dtype: torch.dtype):  # noqa: ANN201
@@ -229,7 +246,7 @@ def layer_op_cases(dtype: torch.dtype):  # noqa: ANN201
 
 
 def run(rounds: int, device_linears: bool = False, greedy: bool = False,
-        tiles: bool = False, layer_ops: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+        tiles: bool = False, layer_ops: bool = False, attention_loops: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -252,6 +269,8 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False,
         parts = [("greedy sampling", greedy_cases, (torch.float32,))]
     if layer_ops:
         parts = [("layer ops", layer_op_cases, (torch.float32, torch.bfloat16))]
+    if attention_loops:
+        parts = [("attention loops", attention_loop_cases, (torch.float32, torch.bfloat16))]
     for part, cases, dtypes in parts:
         for dtype in dtypes:
             for name, old, new in cases(dtype):
@@ -291,14 +310,17 @@ def main() -> None:
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
     only.add_argument("--layer-ops", action="store_true", help="only the layer-ops part (swiglu, rotary + cache write)")
+    only.add_argument("--attention-loops", action="store_true",
+                      help="only decode attention's portable loops vs its vector ones (AVX-512 or AVX2)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops)
+    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops, args.attention_loops)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
                  f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''}"
-                 f"{' --tiles' if args.tiles else ''}{' --layer-ops' if args.layer_ops else ''} "
+                 f"{' --tiles' if args.tiles else ''}{' --layer-ops' if args.layer_ops else ''}"
+                 f"{' --attention-loops' if args.attention_loops else ''} "
                  f"--write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
                  "1 thread; arms alternated, medians over rounds; ratio = old / new time (> 1: new faster).", "",
@@ -313,7 +335,7 @@ def main() -> None:
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp) or `avx512bf16_linear` "
                   "(serve/csrc/avx512bf16_linear.cpp); both on the same layers, weights packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
                   "(serve/csrc/argmax.cpp). Layer ops: old `F.silu(gate) * up`, or `rotary` then two `index_copy_` into the "
-                  "paged cache; new `torchbridge_serve::swiglu` / `rotary_into_cache` (serve/csrc/pointwise.cpp). Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
+                  "paged cache; new `torchbridge_serve::swiglu` / `rotary_into_cache` (serve/csrc/pointwise.cpp). Attention loops: old the decode kernel's portable loops, new its AVX-512 or AVX2 ones. Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
                   "time includes its call and the last output's copy back."]
         args.write.write_text("\n".join(lines) + "\n")

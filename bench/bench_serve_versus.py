@@ -39,6 +39,7 @@ from bench_serve import (
     run_online,
     summarize,
     thread_env,
+    ttft_waves,
 )
 
 ONLINE_ARMS = ("ours", "ours-thread", "vllm")
@@ -132,9 +133,11 @@ def versus(args: argparse.Namespace, argv: list[str]) -> int:
                     cmd += ["--no-engine-process"] if arm == "ours-thread" else []
                     env, start_timeout = thread_env(args.threads), 300.0
                 t, per, startup, iters = run_online(cmd, env, reqs, out_lens, args.concurrency, start_timeout)
-                row = {"tok_s": n_out / t, "startup": startup, "load": load, **iters, **summarize(per)}
+                row = {"tok_s": n_out / t, "startup": startup, "load": load, **iters, **summarize(per),
+                       "waves": ttft_waves(per, args.concurrency)}
                 online.setdefault(arm, []).append(row)
-                print(f"round {r} online {arm}: {n_out / t:.1f} tok/s, TTFT p50 {row['ttft']['median']:.1f} ms, "
+                print(f"round {r} online {arm}: {n_out / t:.1f} tok/s, TTFT p50 {row['ttft']['median']:.1f} ms "
+                      f"(first wave {row['waves']['first']:.1f}, later {row['waves']['later']:.1f}), "
                       f"TPOT p50 {row['tpot']['median']:.1f} ms, {iters['steps']:.0f} engine steps of "
                       f"{iters['tokens_per_step']:.1f} tokens (start-up {startup:.1f} s, load {load:.2f})",
                       flush=True)
@@ -171,15 +174,18 @@ def render(args: argparse.Namespace, arms: list[str], offline: dict[str, list[di
         lines.append(f"| {arm} | {_median_range([x['tok_s'] for x in rows])} | {ratio} | {loads_s} |")
     if online:
         lines += ["", "## Online (OpenAI server, streaming /v1/completions): median over rounds (range)", "",
-                  "| engine | tok/s | ours / engine | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms "
-                  "| start-up s | engine steps | tokens/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | tok/s | ours / engine | TTFT p50 ms | TTFT p50, first wave / later (ms) | TTFT p99 ms "
+                  "| TPOT p50 ms | ITL p50 ms | E2E p50 ms | start-up s | engine steps | tokens/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         ours_on = online.get("ours")
         for arm, rows in online.items():
             ratio = "" if not ours_on or arm == "ours" else _ratio_range(ours_on, rows)
             cells = [_median_range([x["tok_s"] for x in rows]), ratio]
+            cells.append(_median_range([x["ttft"]["median"] for x in rows]))
+            cells.append(_median_range([x["waves"]["first"] for x in rows]) + " / "
+                         + _median_range([x["waves"]["later"] for x in rows]))
             cells += [_median_range([x[m][q] for x in rows]) for m, q in
-                      (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("itl", "median"), ("e2e", "median"))]
+                      (("ttft", "p99"), ("tpot", "median"), ("itl", "median"), ("e2e", "median"))]
             cells.append(_median_range([x["startup"] for x in rows]))
             cells += [_median_range([x["steps"] for x in rows], "{:.0f}"),
                       _median_range([x["tokens_per_step"] for x in rows])]
