@@ -4,6 +4,18 @@
 
 #include "widen.h"
 
+namespace torchbridge_serve {
+
+// Cephes' expf, the numbers both widths use: the clamp, log2(e), ln2 in two parts, e^r's polynomial.
+namespace expf_consts {
+constexpr float lo = -87.33654f, hi = 88.37626f, log2e = 1.44269504088896341f;
+constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+constexpr float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expf_consts
+
+}  // namespace torchbridge_serve
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -13,17 +25,14 @@ namespace torchbridge_serve {
 // 0, which a sum or silu's division treats alike). Cephes' expf: x = n ln2 + r with ln2 in two parts, |r| <= ln2 / 2,
 // e^r by its degree-7 polynomial, then 2^n with scalef.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  namespace k = expf_consts;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(k::lo)), _mm512_set1_ps(k::hi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(k::log2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(k::ln2_hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(k::ln2_lo), r);
+  __m512 p = _mm512_set1_ps(k::c[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k::c[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -37,18 +46,14 @@ namespace torchbridge_serve {
 // most 127 (at the upper clamp x log2(e) rounds to 128, whose exponent field would be infinity's; r then
 // stays within ln2 and the polynomial within its accuracy).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  namespace k = expf_consts;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(k::lo)), _mm256_set1_ps(k::hi));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(k::log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   n = _mm256_min_ps(n, _mm256_set1_ps(127.f));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(k::ln2_hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(k::ln2_lo), r);
+  __m256 p = _mm256_set1_ps(k::c[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k::c[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
