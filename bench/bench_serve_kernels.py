@@ -15,6 +15,10 @@
 - layer ops: `torchbridge_serve::swiglu` vs `F.silu(gate) * up` on the fused gate|up output's halves, and
   `torchbridge_serve::rotary_into_cache` vs `rotary` + the attention's two `index_copy_` calls into the
   paged cache, 1 to 512 rows of the bench and the bundled model's shapes;
+- panel linears (`--panels`, AVX2 CPUs without AVX-512): `torchbridge_serve::panel_linear` over weights in
+  `panel_layout` vs what `pack` gives the same layers otherwise (oneDNN's packed call in fp32; bf16 widened to
+  float32 where oneDNN has no bf16 GEMM), the bench and the bundled model's five shapes summed, 1 to 1024 rows
+  in cache and 1-8 rows cold (copies summing to > 64 MB);
 - attention loops (`--attention-loops`): the decode attention kernel's portable loops vs its vector ones
   (AVX-512, or AVX2 where the CPU has no AVX-512);
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
@@ -22,7 +26,7 @@
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --layer-ops | --attention-loops] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --panels | --layer-ops | --attention-loops] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -162,6 +166,38 @@ def tile_cases(dtype: torch.dtype):  # noqa: ANN201
             yield f"{model}, {rows} rows", lambda xs=xs: onednn(xs), lambda xs=xs: tiled(xs)
 
 
+PANEL_ROWS = [1, 2, 4, 8, 16, 32, 45, 128, 512, 1024]
+
+
+def panel_cases(dtype: torch.dtype):  # noqa: ANN201
+    """Both arms on copies of the same layers; cold cases cycle through copies summing to > COLD_BYTES."""
+    from torchbridge.serve.linear import Linear, pack
+
+    for model, shapes in (("bench model", LINEAR_SHAPES), ("bundled model", BUNDLED_SHAPES)):
+        size = sum(i * o for i, o in shapes) * 4
+        for cold, rows_list in ((False, PANEL_ROWS), (True, COLD_ROWS)):
+            arms = {"old": [], "new": []}
+            for _ in range(-(-COLD_BYTES // size) if cold else 1):
+                layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+                twin = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+                twin.load_state_dict(layers.state_dict())
+                pack(layers)
+                assert pack(twin, panels=True) == len(shapes) and all(t.panels is not None for t in twin)
+                arms["old"].append(layers)
+                arms["new"].append(twin)
+            for rows in rows_list:
+                xs = [torch.randn(rows, i).to(dtype) for i, _ in shapes]
+                turn = iter(range(1 << 62))
+
+                def call(arm: str, xs=xs, turn=turn) -> None:  # noqa: ANN001
+                    copies = arms[arm]
+                    layers = copies[next(turn) % len(copies)]
+                    [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)]
+
+                label = f", cold ({len(arms['old'])} copies)" if cold else ""
+                yield f"{model}{label}, {rows} rows", lambda c=call: c("old"), lambda c=call: c("new")
+
+
 def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
     import torchbridge
 
@@ -246,7 +282,7 @@ def layer_op_cases(dtype: torch.dtype):  # noqa: ANN201
 
 
 def run(rounds: int, device_linears: bool = False, greedy: bool = False,
-        tiles: bool = False, layer_ops: bool = False, attention_loops: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+        tiles: bool = False, layer_ops: bool = False, attention_loops: bool = False, panels: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -261,6 +297,13 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False,
     if not kind:
         print("neither AMX-BF16 nor AVX512-BF16 on this CPU: the tile-linears part is not run")
     parts += tile_part
+    panel_part = [("panel linears", panel_cases, (torch.float32, torch.bfloat16))]
+    if cpu_kernels.panel_linear_available():
+        parts += panel_part
+    else:
+        print("not an AVX2 CPU without AVX-512: the panel-linears part is not run")
+    if panels:
+        parts = panel_part
     if tiles:
         parts = tile_part
     if device_linears:
@@ -309,17 +352,20 @@ def main() -> None:
                       help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
+    only.add_argument("--panels", action="store_true", help="only the panel-linears part (AVX2, no AVX-512)")
     only.add_argument("--layer-ops", action="store_true", help="only the layer-ops part (swiglu, rotary + cache write)")
     only.add_argument("--attention-loops", action="store_true",
                       help="only decode attention's portable loops vs its vector ones (AVX-512 or AVX2)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops, args.attention_loops)
+    rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops, args.attention_loops,
+               args.panels)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
                  f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''}"
-                 f"{' --tiles' if args.tiles else ''}{' --layer-ops' if args.layer_ops else ''}"
+                 f"{' --tiles' if args.tiles else ''}{' --panels' if args.panels else ''}"
+                 f"{' --layer-ops' if args.layer_ops else ''}"
                  f"{' --attention-loops' if args.attention_loops else ''} "
                  f"--write {args.write}`", "",
                  f"Machine: {platform.machine()}, {cpu_name()}, torch {torch.__version__}, "
@@ -334,7 +380,9 @@ def main() -> None:
                   "(every call, one-row fp32 ones included since 2026-12-04: see the cold cases). amx / avx512bf16 linears: old is the oneDNN packed call, new "
                   "`torchbridge_serve::amx_linear` (serve/csrc/amx_linear.cpp) or `avx512bf16_linear` "
                   "(serve/csrc/avx512bf16_linear.cpp); both on the same layers, weights packed once. Greedy sampling: old `torch.max(dim=-1)`, new `torchbridge_serve::row_argmax` "
-                  "(serve/csrc/argmax.cpp). Layer ops: old `F.silu(gate) * up`, or `rotary` then two `index_copy_` into the "
+                  "(serve/csrc/argmax.cpp). Panel linears: old what `pack` gives the layers without panels (oneDNN's "
+                  "packed call; bf16 widened to float32 where oneDNN has no bf16 GEMM), new "
+                  "`torchbridge_serve::panel_linear` (serve/csrc/panel_linear.cpp). Layer ops: old `F.silu(gate) * up`, or `rotary` then two `index_copy_` into the "
                   "paged cache; new `torchbridge_serve::swiglu` / `rotary_into_cache` (serve/csrc/pointwise.cpp). Attention loops: old the decode kernel's portable loops, new its AVX-512 or AVX2 ones. Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
                   "time includes its call and the last output's copy back."]

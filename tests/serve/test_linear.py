@@ -209,3 +209,92 @@ def test_tiles_are_the_engines_bf16_default_and_can_be_switched_off(llama_dir, m
     assert not any(tiled(LLM(str(llama_dir), **{**kw, "dtype": "float32"})))
     monkeypatch.setenv(switch, "0")
     assert not any(tiled(LLM(str(llama_dir), **kw)))
+
+
+# ---- float32 products from the panel layout on AVX2 CPUs without AVX-512 (serve/csrc/panel_linear.cpp) -----
+
+
+def _panels_or_skip():  # noqa: ANN202
+    from torchbridge.serve import cpu_kernels
+
+    if cpu_kernels.available() is not None:
+        pytest.skip(f"the engine's CPU kernels do not build here: {cpu_kernels.available()}")
+    if not cpu_kernels.panel_linear_available():
+        pytest.skip("the panel kernel is built only for AVX2 CPUs without AVX-512 (this CPU has AVX-512 or no AVX2)")
+    return cpu_kernels.panel_linear
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 32, 45])
+@pytest.mark.parametrize("n,k,bias", [(48, 32, True), (50, 32, False), (1536, 512, False), (33, 4100, True)])
+def test_panel_kernel_matches_float64_reference(rows: int, n: int, k: int, bias: bool) -> None:
+    """float32 accumulation: within float32's error for k terms of the float64 product. Rows cover every block
+    size (1-6 rows) and the even split of 7, 13, 32 and 45 rows; outputs a whole panel, a partial last panel
+    (50, 33) and many panels; 4100 inputs, more than one pass over a panel (2048 per pass). A wrong layout,
+    row split or tail is off by O(1)."""
+    kernel = _panels_or_skip()
+    from torchbridge.serve.linear import panel_layout
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = kernel(x, panel_layout(w), b, n)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_panel_kernel_refuses_bad_input_by_name() -> None:
+    _panels_or_skip()
+    from torchbridge.serve.linear import panel_layout
+
+    op = torch.ops.torchbridge_serve.panel_linear.default
+    panels = panel_layout(torch.zeros(40, 64))  # 3 panels
+    with pytest.raises(RuntimeError, match="panel_linear: x has 96 features, the weight panels 64"):
+        op(torch.empty(2, 40), torch.zeros(2, 96), panels, None)
+    with pytest.raises(RuntimeError, match="panel_linear: x must be a contiguous 2-D float32"):
+        op(torch.empty(2, 40), torch.zeros(2, 64, dtype=torch.bfloat16), panels, None)
+    with pytest.raises(RuntimeError, match=r"panel_linear: out must be contiguous float32 \[2, N\] with ceil\(N/16\) = 3"):
+        op(torch.empty(2, 64), torch.zeros(2, 64), panels, None)
+    with pytest.raises(RuntimeError, match=r"panel_linear: bias must be contiguous float32 \[40\]"):
+        op(torch.empty(2, 40), torch.zeros(2, 64), panels, torch.zeros(32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_pack_with_panels_is_the_float32_product_rounded_once(dtype: torch.dtype, rows: int) -> None:
+    """pack(panels=True): float32 layers, and 16-bit ones oneDNN does not run here, multiply through the panel
+    kernel: the float32 product rounded once to the input's dtype (within half a unit in its last place of the
+    float64 product, plus float32 accumulation error); the plain weight released unless tied."""
+    _panels_or_skip()
+    if dtype != torch.float32 and packing_supported(dtype):
+        pytest.skip(f"oneDNN runs {dtype} linears on this CPU: pack packs them, no panels")
+    torch.manual_seed(rows)
+    model = TwoLayers(dtype)
+    w, b = model.up.weight.detach().double().clone(), model.up.bias.detach().double().clone()
+    tied = model.head.weight.detach().double().clone()
+    assert pack(model, panels=True) == 2
+    assert model.up.panels is not None and model.up.packed is None and model.up.wide is None
+    assert model.up.weight.device.type == "meta" and model.head.weight is model.embed.weight
+    x = torch.randn(2, rows, 32).to(dtype)
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    for y, ref in ((model.up(x), x.double() @ w.T + b), (model.head(x), x.double() @ tied.T)):
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert ((y.double() - ref).abs() <= ref.abs() * eps / 2 + 1e-5).all()
+
+
+def test_panels_are_the_engines_default_here_and_can_be_switched_off(llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel runs, the engine's float32 linears use it (greedy tokens against HF: tests/serve/test_engine.py
+    runs through it on such a CPU); TORCHBRIDGE_SERVE_PANELS=0 keeps oneDNN; cpu_kernels=False plain torch."""
+    _panels_or_skip()
+    from torchbridge.serve import LLM
+
+    def layouts(llm: LLM) -> set[str]:
+        return {"panels" if m.panels is not None else "packed" if m.packed is not None else "plain"
+                for m in llm.engine.runner.model.modules() if isinstance(m, Linear)}
+
+    kw = dict(block_size=4, num_blocks=32, max_model_len=64)
+    assert layouts(LLM(str(llama_dir), **kw)) == {"panels"}
+    assert layouts(LLM(str(llama_dir), cpu_kernels=False, **kw)) == {"packed"}
+    monkeypatch.setenv("TORCHBRIDGE_SERVE_PANELS", "0")
+    assert layouts(LLM(str(llama_dir), **kw)) == {"packed"}

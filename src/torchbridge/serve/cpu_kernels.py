@@ -8,7 +8,9 @@ paged cache), with the signatures of the bridge's shipped kernels (torchbridge.k
 so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_linear.cpp) runs a bf16
 linear layer's few decode rows on Intel AMX where the CPU has it, `avx512bf16_linear`
 (serve/csrc/avx512bf16_linear.cpp) the same product from the same weight layout with AVX512-BF16 where it
-has that and no AMX (serve/linear.py). `hold_packed_weight` /
+has that and no AMX (serve/linear.py). `panel_linear` (serve/csrc/panel_linear.cpp) runs float32 linear layers
+(and 16-bit ones widened to float32) at every row count on AVX2 CPUs without AVX-512, from weights in
+`panel_layout`, where oneDNN's fp32 kernels reached 28-76% of the core's FMA rate. `hold_packed_weight` /
 `held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight in the library under a key,
 for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
 (serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp",
-                                      "avx512bf16_linear.cpp", "held_linear.cpp", "argmax.cpp")]
+                                      "avx512bf16_linear.cpp", "panel_linear.cpp", "held_linear.cpp", "argmax.cpp")]
 _HEADERS = [_CSRC / "widen.h", _CSRC / "exp16.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -161,6 +163,21 @@ def amx_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None
 def avx512bf16_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`amx_linear`'s product from the same layout, with AVX512-BF16's vdpbf16ps instead of AMX tiles."""
     return _tiled(torch.ops.torchbridge_serve.avx512bf16_linear, x, w_tiles, bias)
+
+
+def panel_linear_available() -> bool:
+    """Whether `panel_linear` runs here: the kernels are loaded and were built for an AVX2 CPU without AVX-512."""
+    return available() is None and bool(torch.ops.torchbridge_serve.panel_linear_available())
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) with float32 products and accumulation, rounded once to x's dtype; `panels` is
+    W [out_features, K] in serve/linear.py `panel_layout`, `bias` float32. Returns [..., out_features]."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
+    torch.ops.torchbridge_serve.panel_linear.default(out, x2, panels, bias)
+    out = out.view(*x.shape[:-1], out_features)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:

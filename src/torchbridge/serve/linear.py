@@ -43,6 +43,12 @@ bundled model's 17 products at 2 rows took 0.72 ms against 0.35 ms, 1.3-2x from 
 of the bundled model spent 0.78 ms in its products instead of 1.56 (an XLA trace; 2026-12-04, AMD EPYC Zen 5).
 A tied LM head keeps the embedding's [vocab, hidden] table as well as its own [hidden, vocab] copy.
 
+On an AVX2 CPU without AVX-512, oneDNN's fp32 kernels left much of the core unused (one thread of an AMD EPYC
+Zen 3: 6-19 GFLOP/s at 1-4 rows, 28-57 at 8-32, 61-76 from 64 rows, of ~90), so `pack(model, panels=True)` lays
+each float32 layer (and each 16-bit one it would widen) out as panels of 16 outputs (`panel_layout`) instead,
+and every call runs the engine's own kernel over them (serve/csrc/panel_linear.cpp; `Linear.panels`): one
+copy of the weight, no oneDNN packing.
+
 XLA:CPU has no 16-bit GEMM, but oneDNN has one where the CPU has AVX512-BF16 or AMX (`packing_supported`),
 and there it beat XLA's float32 dot from a few rows up: the bundled model's 17 products at 32 rows took
 1.54 ms packed in bf16 against 2.38 ms in XLA (0.62 vs 0.96 at 8 rows, level at 2, XLA faster at 1 row:
@@ -71,11 +77,15 @@ class Linear(nn.Linear):
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
     wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
     held: int | None = None  # the key of the weight the engine's kernel library holds (set by `hold`)
+    panels: torch.Tensor | None = None  # the weight (float32) in `panel_layout` (set by `pack(panels=True)`)
+    panel_bias: torch.Tensor | None = None  # the bias as float32, beside `panels`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return cpu_kernels.panel_linear(x, self.panels, self.panel_bias, self.out_features)
         if self.held is not None and x.numel() >= HELD_MIN_ROWS * x.shape[-1]:
             return torch.ops.torchbridge.held_linear(x, self.held, self.weight.shape[0])
         if self.wt is not None:
@@ -108,6 +118,14 @@ AVX512BF16_MAX_ROWS = 8
 TILE_MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512bf16": AVX512BF16_MAX_ROWS}
 
 
+def panel_layout(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as float32 [ceil(N/16), K, 16]: panel j holds outputs 16j..16j+15, one row of 16 per input
+    (zeros past N), the operand serve/csrc/panel_linear.cpp streams."""
+    n, k = w.shape
+    w = F.pad(w.detach().float(), (0, 0, 0, -n % 16))
+    return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
+
+
 def amx_layout(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] (N, K multiples of 32) as [N/32, K/32, 2, 16, 32]: for each 32 outputs and 32 inputs, two
     16 x 32 tiles holding W[n][k] at [k // 2][2 n + k % 2] (AMX's pair-interleaved B operand)."""
@@ -132,16 +150,25 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def pack(model: nn.Module, tiles: str | None = None) -> int:
+def pack(model: nn.Module, tiles: str | None = None, panels: bool = False) -> int:
     """Pack the weights of every `Linear` in `model` (on the CPU, for dtypes oneDNN runs; 16-bit layers it does
     not run on this CPU are widened instead); returns how many.
     `tiles`: also give bf16 layers their weight in `amx_layout`, for that kernel's decode rows ("amx" or
-    "avx512bf16": what the engine's CPU kernels' `tile_kernel()` names here)."""
+    "avx512bf16": what the engine's CPU kernels' `tile_kernel()` names here).
+    `panels`: float32 layers, and those 16-bit ones, get `panel_layout` instead of oneDNN's packing (the CPU
+    kernels' `panel_linear_available()`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = _shared(model)
     n = 0
     for m in linears:
         w = m.weight
+        if panels and w.device.type == "cpu" and (w.dtype == torch.float32
+                                                  or w.dtype in _HALF and not packing_supported(w.dtype)):
+            m.panels = panel_layout(w)
+            m.panel_bias = None if m.bias is None else m.bias.detach().float()
+            _release(m, shared)
+            n += 1
+            continue
         if w.device.type == "cpu" and w.dtype in _HALF and not packing_supported(w.dtype):
             _widen(m, shared)  # no oneDNN 16-bit GEMM on this CPU: torch's own runs ~10x slower than float32's
             n += 1

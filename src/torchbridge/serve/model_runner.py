@@ -306,6 +306,14 @@ def _tile_kernel() -> str | None:
     return cpu_kernels.tile_kernel()
 
 
+def _panels() -> bool:
+    """Whether float32 linears run the engine's AVX2 panel kernel (serve/linear.py): where it was built for this
+    CPU; TORCHBRIDGE_SERVE_PANELS=0 keeps them on oneDNN (for A/B runs)."""
+    from torchbridge.serve import cpu_kernels
+
+    return os.environ.get("TORCHBRIDGE_SERVE_PANELS") != "0" and cpu_kernels.panel_linear_available()
+
+
 class ModelRunner:
     """`rank`/`port`: set in a tensor-parallel worker process (serve/workers.py); rank 0 starts the workers.
     `target`: `config.model` is an EAGLE head for this (target) model, and each step takes its features.
@@ -337,10 +345,11 @@ class ModelRunner:
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
         tiles = _tile_kernel() if self.decode_kernel and self.dtype == torch.bfloat16 else None
+        panels = self.decode_kernel and self.device.type == "cpu" and _panels()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, tiles,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),
-                                held=_held_weights(self.device))
+                                held=_held_weights(self.device), panels=panels)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]

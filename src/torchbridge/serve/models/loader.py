@@ -34,13 +34,14 @@ def _checkpoint_tensors(model_dir: Path):  # noqa: ANN202 - a generator of (name
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, device: str, dtype: torch.dtype, max_positions: int,
     tp: TPGroup = SINGLE, tiles: str | None = None, wide: bool = False, target: LlamaForCausalLM | None = None,
-    transposed: bool = False, held: bool = False,
+    transposed: bool = False, held: bool = False, panels: bool = False,
 ) -> LlamaForCausalLM:
     """The checkpoint in `model_dir` as the engine's model on `device`. `tiles`: bf16 linears also in AMX's
     tile layout, for that decode-row kernel ("amx" or "avx512bf16": serve/linear.py `pack`); `wide`: 16-bit
     linears' weights as float32 (`widen`); `transposed`: every linear's weight (widened or not) as [in, out]
     (`transpose`); `held`: 16-bit linears also handed, packed, to the engine's kernel library (`hold`: from a
-    few rows on, products run oneDNN's 16-bit GEMM). With `target`, the
+    few rows on, products run oneDNN's 16-bit GEMM); `panels`: float32 linears (and 16-bit ones oneDNN does not run
+here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
@@ -93,7 +94,7 @@ def load_model(
     cos, sin = rope_tables(cfg, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.fuse()
-    pack(model, tiles)  # on the cpu: weights laid out once for oneDNN, and as tiles if asked (serve/linear.py)
+    pack(model, tiles, panels)  # on the cpu: weights laid out once for oneDNN (or as panels), and as tiles if asked
     if held:
         hold(model)  # (before `widen` releases the 16-bit weights)
     if wide:
