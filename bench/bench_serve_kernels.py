@@ -189,7 +189,7 @@ def panel_cases(dtype: torch.dtype):  # noqa: ANN201
                 xs = [torch.randn(rows, i).to(dtype) for i, _ in shapes]
                 turn = iter(range(1 << 62))
 
-                def call(arm: str, xs=xs, turn=turn) -> None:  # noqa: ANN001
+                def call(arm: str, xs=xs, turn=turn, arms=arms) -> None:  # noqa: ANN001
                     copies = arms[arm]
                     layers = copies[next(turn) % len(copies)]
                     [layer.matmul(x) for x, layer in zip(xs, layers, strict=True)]
