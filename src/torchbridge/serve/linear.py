@@ -162,14 +162,14 @@ def pack(model: nn.Module, tiles: str | None = None, panels: bool = False) -> in
     n = 0
     for m in linears:
         w = m.weight
-        if panels and w.device.type == "cpu" and (w.dtype == torch.float32
-                                                  or w.dtype in _HALF and not packing_supported(w.dtype)):
+        widened = w.device.type == "cpu" and w.dtype in _HALF and not packing_supported(w.dtype)
+        if panels and w.device.type == "cpu" and (w.dtype == torch.float32 or widened):
             m.panels = panel_layout(w)
             m.panel_bias = None if m.bias is None else m.bias.detach().float()
             _release(m, shared)
             n += 1
             continue
-        if w.device.type == "cpu" and w.dtype in _HALF and not packing_supported(w.dtype):
+        if widened:
             _widen(m, shared)  # no oneDNN 16-bit GEMM on this CPU: torch's own runs ~10x slower than float32's
             n += 1
             continue

@@ -345,7 +345,7 @@ class ModelRunner:
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
         tiles = _tile_kernel() if self.decode_kernel and self.dtype == torch.bfloat16 else None
-        panels = self.decode_kernel and self.device.type == "cpu" and _panels()
+        panels = self.decode_kernel and _panels()  # (the CPU kernels run only on the cpu device: config.py)
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, tiles,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),

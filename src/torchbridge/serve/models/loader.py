@@ -40,8 +40,8 @@ def load_model(
     tile layout, for that decode-row kernel ("amx" or "avx512bf16": serve/linear.py `pack`); `wide`: 16-bit
     linears' weights as float32 (`widen`); `transposed`: every linear's weight (widened or not) as [in, out]
     (`transpose`); `held`: 16-bit linears also handed, packed, to the engine's kernel library (`hold`: from a
-    few rows on, products run oneDNN's 16-bit GEMM); `panels`: float32 linears (and 16-bit ones oneDNN does not run
-here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`). With `target`, the
+    few rows on, products run oneDNN's 16-bit GEMM); `panels`: float32 linears (and 16-bit ones oneDNN does not
+    run here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
