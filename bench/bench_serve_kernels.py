@@ -23,10 +23,13 @@
   (AVX-512, or AVX2 where the CPU has no AVX-512);
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
   model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
-  ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32.
+  ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32;
+- device panels (`--device-panels`, AVX2 CPUs without AVX-512): the same programs, XLA's dot by the [in, out]
+  weights vs the panel kernel by weights the kernel library holds (serve/linear.py `hold(panels=True)`), fp32
+  and bf16 (widened).
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
 
-    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --greedy | --tiles | --panels | --layer-ops | --attention-loops] [--write docs/benchmarks/serve_kernels.md]
+    python bench/bench_serve_kernels.py [--rounds 5] [--device-linears | --device-panels | --greedy | --tiles | --panels | --layer-ops | --attention-loops] [--write docs/benchmarks/serve_kernels.md]
 """
 
 from __future__ import annotations
@@ -228,6 +231,42 @@ def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
                    lambda sync=sync, new=new: sync(new))
 
 
+def device_panel_cases(dtype: torch.dtype):  # noqa: ANN201
+    """The engine's layers on the bridge's device as its loader gives them (16-bit widened, [in, out]), a model's
+    17 linears in one compiled program: XLA's dot vs the same products by weights held as panels."""
+    import torchbridge
+    from torchbridge.serve.linear import Linear, hold, transpose, widen
+
+    dev = torchbridge.device_name()
+    torch._dynamo.config.recompile_limit = 64  # one static program per model and row count, on purpose
+    g = torch.Generator().manual_seed(0)
+    for model, shapes in (("bundled model", BUNDLED_SHAPES[:4] * 4 + BUNDLED_SHAPES[4:]),
+                          ("bench model", LINEAR_SHAPES[:4] * 4 + LINEAR_SHAPES[4:])):
+        layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+        twin = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
+        twin.load_state_dict(layers.state_dict())
+        layers, twin = layers.to(dev), twin.to(dev)
+        assert hold(twin, panels=True) == len(shapes)
+        for m in (layers, twin):
+            widen(m)
+            transpose(m)
+
+        def program(mods: torch.nn.ModuleList):  # noqa: ANN202
+            return torch.compile(lambda inputs: [m(x) for x, m in zip(inputs, mods, strict=True)], backend="tpu",
+                                 dynamic=False)
+
+        old, new = program(layers), program(twin)
+        for rows in (1, 2, 4, 8, 32, 128, 512):
+            xs = [torch.randn(rows, i, generator=g).to(dtype).to(dev) for i, _ in shapes]
+            torch.testing.assert_close(old(xs)[-1].cpu().float(), new(xs)[-1].cpu().float(), rtol=1e-2, atol=1e-2)
+
+            def sync(fn, xs=xs) -> None:  # noqa: ANN001
+                fn(xs)[-1].cpu()  # the program's last output back: the whole program has run
+
+            yield (f"{model}, {len(shapes)} linears, {rows} rows", lambda sync=sync, old=old: sync(old),
+                   lambda sync=sync, new=new: sync(new))
+
+
 def greedy_cases(dtype: torch.dtype):  # noqa: ANN201
     """Greedy sampling's row maximum and index over float32 logits: torch.max(dim=-1) vs row_argmax, for
     the bundled model's, a 32K and Llama 3's 128K vocabulary."""
@@ -281,8 +320,9 @@ def layer_op_cases(dtype: torch.dtype):  # noqa: ANN201
             yield f"{model} rotary + cache write, {rows} rows", old, new
 
 
-def run(rounds: int, device_linears: bool = False, greedy: bool = False,
-        tiles: bool = False, layer_ops: bool = False, attention_loops: bool = False, panels: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
+def run(rounds: int, device_linears: bool = False, greedy: bool = False, tiles: bool = False,
+        layer_ops: bool = False, attention_loops: bool = False, panels: bool = False,
+        device_panels: bool = False) -> list[tuple[str, str, str, float, float, list[float]]]:
     from torchbridge.serve import cpu_kernels
 
     assert cpu_kernels.available() is None, cpu_kernels.available()
@@ -308,6 +348,9 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False,
         parts = tile_part
     if device_linears:
         parts = [("device linears", device_linear_cases, (torch.float32,))]
+    if device_panels:
+        assert cpu_kernels.panel_linear_available(), "the panel kernel is built only for AVX2 CPUs without AVX-512"
+        parts = [("device panels", device_panel_cases, (torch.float32, torch.bfloat16))]
     if greedy:
         parts = [("greedy sampling", greedy_cases, (torch.float32,))]
     if layer_ops:
@@ -353,18 +396,21 @@ def main() -> None:
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
     only.add_argument("--panels", action="store_true", help="only the panel-linears part (AVX2, no AVX-512)")
+    only.add_argument("--device-panels", action="store_true",
+                      help="only the device-panels part: XLA's dot vs weights held as panels (AVX2, no AVX-512)")
     only.add_argument("--layer-ops", action="store_true", help="only the layer-ops part (swiglu, rotary + cache write)")
     only.add_argument("--attention-loops", action="store_true",
                       help="only decode attention's portable loops vs its vector ones (AVX-512 or AVX2)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = run(args.rounds, args.device_linears, args.greedy, args.tiles, args.layer_ops, args.attention_loops,
-               args.panels)
+               args.panels, args.device_panels)
     if args.write:
         lines = ["# The engine's CPU kernels vs the ops they replaced", "",
                  f"Command: `python bench/bench_serve_kernels.py --rounds {args.rounds}"
                  f"{' --device-linears' if args.device_linears else ''}{' --greedy' if args.greedy else ''}"
                  f"{' --tiles' if args.tiles else ''}{' --panels' if args.panels else ''}"
+                 f"{' --device-panels' if args.device_panels else ''}"
                  f"{' --layer-ops' if args.layer_ops else ''}"
                  f"{' --attention-loops' if args.attention_loops else ''} "
                  f"--write {args.write}`", "",
@@ -385,7 +431,10 @@ def main() -> None:
                   "`torchbridge_serve::panel_linear` (serve/csrc/panel_linear.cpp). Layer ops: old `F.silu(gate) * up`, or `rotary` then two `index_copy_` into the "
                   "paged cache; new `torchbridge_serve::swiglu` / `rotary_into_cache` (serve/csrc/pointwise.cpp). Attention loops: old the decode kernel's portable loops, new its AVX-512 or AVX2 ones. Device linears: old multiplies by the weight as nn.Linear holds it ([out, in], F.linear), new by "
                   "the same weight stored [in, out] (serve/linear.py `transpose`); one compiled program each, the "
-                  "time includes its call and the last output's copy back."]
+                  "time includes its call and the last output's copy back. Device panels: old the layers as the "
+                  "engine's loader gives them on the device (16-bit widened to float32, [in, out]: XLA's dot), new "
+                  "the same layers held as panels (serve/linear.py `hold(panels=True)`: the panel kernel as a "
+                  "custom call inside the program); one compiled program each, timed like device linears."]
         args.write.write_text("\n".join(lines) + "\n")
 
 

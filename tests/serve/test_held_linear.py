@@ -1,6 +1,8 @@
-"""16-bit linears of the engine on the bridge's device whose products run oneDNN's packed GEMM by a key
-(serve/linear.py `hold`, serve/csrc/held_linear.cpp, the device's custom call): equal to the float64
-product, eager and compiled; few rows stay in XLA; a key nobody holds is refused by name."""
+"""Linears of the engine on the bridge's device whose products run a weight the engine's kernel library holds,
+by a key (serve/linear.py `hold`, serve/csrc/held_linear.cpp, the device's custom call): 16-bit ones through
+oneDNN's packed GEMM, and on AVX2 CPUs without AVX-512 every float one through the library's panel kernel.
+Equal to the float64 product, eager and compiled; few rows stay in XLA where the rule says so; a key nobody
+holds is refused by name."""
 
 from __future__ import annotations
 
@@ -10,21 +12,31 @@ from torch import nn
 
 import torchbridge  # noqa: F401 - the device
 from torchbridge.serve import cpu_kernels
-from torchbridge.serve.linear import HELD_MIN_ROWS, Linear, hold, packing_supported, transpose, widen
+from torchbridge.serve.linear import (
+    HELD_MIN_ROWS,
+    HELD_PANEL_MAX_ROWS,
+    Linear,
+    hold,
+    packing_supported,
+    transpose,
+    widen,
+)
 
-pytestmark = [
-    pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="oneDNN has no bf16 GEMM on this CPU (no AVX512-BF16/AMX)"),
-    pytest.mark.skipif(cpu_kernels.available() is not None, reason="the engine's CPU kernels do not build here"),
-]
+pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None, reason="the engine's CPU kernels do not build here")
+packed_only = pytest.mark.skipif(not packing_supported(torch.bfloat16),
+                                 reason="oneDNN has no bf16 GEMM on this CPU (no AVX512-BF16/AMX)")
+panels_only = pytest.mark.skipif(cpu_kernels.available() is not None or not cpu_kernels.panel_linear_available(),
+                                 reason="the panel kernel is built only for AVX2 CPUs without AVX-512")
 
 
-def _layers() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def _layers(dtype: torch.dtype = torch.bfloat16, k: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(Linear(64, 96, bias=True), Linear(96, 40)).to(torch.bfloat16)
+    model = nn.Sequential(Linear(k, 96, bias=True), Linear(96, 40)).to(dtype)
     w, b = model[0].weight.detach().double().clone(), model[0].bias.detach().double().clone()
     return model.to("tpu"), w, b
 
 
+@packed_only
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_held_linear_is_the_float64_product(compiled: bool) -> None:
     model, w, b = _layers()
@@ -43,6 +55,48 @@ def test_held_linear_is_the_float64_product(compiled: bool) -> None:
         assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + scale * 1e-5).all()
 
 
+@panels_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_panel_held_linear_is_the_float64_product(compiled: bool, dtype: torch.dtype) -> None:
+    """Every float layer held as panels; 70 inputs and 96 outputs (a partial last panel needs none: 96 = 6 x 16,
+    the second layer's 40 does) through the float32 kernel, rounded once to x's dtype."""
+    model, w, b = _layers(dtype, k=70)
+    assert hold(model, panels=True) == 2 and model[0].held != model[1].held
+    assert model[0].held_rows == (1, HELD_PANEL_MAX_ROWS)
+    widen(model)
+    transpose(model)
+    first = torch.compile(model[0], backend="tpu") if compiled else model[0]
+    w1 = model[1].wt.detach().cpu().double()  # [in, out], the widened copy of a 16-bit weight is exact
+    b1 = model[1].bias.detach().cpu().double()
+    rounding = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    for shape in ((1, 70), (HELD_PANEL_MAX_ROWS, 70), (2, 3, 70)):
+        x = torch.randn(*shape).to(dtype)
+        y = first(x.to("tpu"))
+        z = model[1](y).cpu().double()
+        y = y.cpu()
+        for out, inp, wd, bd in ((y.double(), x.double(), w.T, b), (z, y.double(), w1, b1)):
+            ref, scale = inp @ wd + bd, inp.abs() @ wd.abs() + bd.abs()
+            assert out.shape == ref.shape
+            # float32 accumulation (error within ~1e-6 of sum |x||w|), then one rounding to x's dtype
+            assert ((out - ref).abs() <= ref.abs() * rounding + scale * 1e-5).all()
+        assert y.dtype == dtype
+
+
+@panels_only
+def test_panel_held_weights_serve_decode_rows_xla_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _, _ = _layers(torch.float32)
+    hold(model, panels=True)
+    transpose(model)
+    calls = []
+    real = torch.ops.torchbridge.held_linear
+    monkeypatch.setattr(torch.ops.torchbridge, "held_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, 3, HELD_PANEL_MAX_ROWS, HELD_PANEL_MAX_ROWS + 1, 100):
+        model[0](torch.randn(rows, 64).to("tpu")).cpu()
+    assert calls == [1, 3, HELD_PANEL_MAX_ROWS]
+
+
+@packed_only
 def test_held_weights_serve_many_rows_xla_few(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _, _ = _layers()
     hold(model)
@@ -56,11 +110,21 @@ def test_held_weights_serve_many_rows_xla_few(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [HELD_MIN_ROWS, 100]
 
 
-def test_a_key_nobody_holds_is_refused_by_name() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_key_nobody_holds_is_refused_by_name(dtype: torch.dtype) -> None:
     from torchbridge.kernels.held_linear import held_linear
 
     with pytest.raises(Exception, match="no weight is held under key 12345"):
-        held_linear(torch.randn(8, 64).bfloat16().to("tpu"), 12345, 96).cpu()
+        held_linear(torch.randn(8, 64).to(dtype).to("tpu"), 12345, 96).cpu()
+
+
+@panels_only
+def test_panel_held_linear_refuses_the_wrong_width_by_name() -> None:
+    from torchbridge.kernels.held_linear import held_linear
+
+    key = cpu_kernels.hold_panel_weight(torch.randn(96, 64))
+    with pytest.raises(Exception, match=r"held_linear: x must be \[rows, 64\]"):
+        held_linear(torch.randn(8, 65).to("tpu"), key, 96).cpu()
 
 
 def test_the_same_weight_gets_the_same_key_another_gets_another() -> None:
@@ -68,3 +132,4 @@ def test_the_same_weight_gets_the_same_key_another_gets_another() -> None:
     assert cpu_kernels.weight_key(w) == cpu_kernels.weight_key(w.clone())
     assert cpu_kernels.weight_key(w) != cpu_kernels.weight_key(w + 1)
     assert cpu_kernels.weight_key(w) != cpu_kernels.weight_key(w.reshape(64, 96))
+    assert cpu_kernels.weight_key(w) != cpu_kernels.weight_key(w, form="panels")

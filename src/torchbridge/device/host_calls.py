@@ -151,9 +151,10 @@ def paged_decode(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_
 
 
 def held_linear(x: Any, key: int, out_features: int) -> Any:
-    """x [rows, in] (bf16/fp16) @ W.T + b, W and b held by the serving engine's kernel library under `key`
+    """x [rows, in] @ W.T + b, W and b held by the serving engine's kernel library under `key`
     (serve/cpu_kernels.py `hold_packed_weight`: oneDNN's packed 16-bit GEMM, which XLA:CPU lacks: it
-    multiplies 16-bit floats in float32). CPU platform only; the engine loads the library before it asks."""
+    multiplies 16-bit floats in float32; or `hold_panel_weight`: the library's AVX2 float32 kernel, x of any
+    float dtype). CPU platform only; the engine loads the library before it asks."""
     if not _on_cpu():
         raise RuntimeError("torchbridge held_linear: only on JAX's CPU platform (the engine's oneDNN weights)")
     return jax.ffi.ffi_call(_HELD_LINEAR, jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype))(

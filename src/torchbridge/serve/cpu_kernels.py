@@ -11,8 +11,8 @@ linear layer's few decode rows on Intel AMX where the CPU has it, `avx512bf16_li
 has that and no AMX (serve/linear.py). `panel_linear` (serve/csrc/panel_linear.cpp) runs float32 linear layers
 (and 16-bit ones widened to float32) at every row count on AVX2 CPUs without AVX-512, from weights in
 `panel_layout`, where oneDNN's fp32 kernels reached 28-76% of the core's FMA rate. `hold_packed_weight` /
-`held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight in the library under a key,
-for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
+`held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight (or, `hold_panel_weight`, its
+panels) in the library under a key, for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
 (serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
 this CPU (-march=native; the CPU's flags are part of the build's key), on first use (~20 s on 2 cores).
 Where no C++ compiler works, `available()` says why and the engine runs the plain torch ops and decodes
@@ -180,13 +180,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-    """A 63-bit key from a weight's (and bias's) dtype, shape and bytes: equal for the same layer in every
-    process (a program in the persistent compile cache names its weights by it), different for another
-    model's layer of the same shape."""
+def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None, form: str = "") -> int:
+    """A 63-bit key from a weight's (and bias's) dtype, shape and bytes, and the `form` it is held in: equal for
+    the same layer in every process (a program in the persistent compile cache names its weights by it),
+    different for another model's layer of the same shape or the same layer held another way."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=8)
+    h.update(form.encode())
     for t in (w, bias):
         if t is not None:
             t = t.detach().contiguous()
@@ -202,6 +203,18 @@ def hold_packed_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> int
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
     b = None if bias is None else bias.detach().to(w.dtype).contiguous()
     torch.ops.torchbridge_serve.hold_packed_weight(key, packed, b, w.shape[1], w.shape[0])
+    return key
+
+
+def hold_panel_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """Give the library W [out, in] (a CPU tensor of a float dtype) as float32 panels (serve/linear.py
+    `panel_layout`, for `panel_linear`), with its bias as float32; returns the key `held_linear` takes. Only
+    where `panel_linear_available()`."""
+    from torchbridge.serve.linear import panel_layout
+
+    key = weight_key(w, bias, form="panels")
+    b = None if bias is None else bias.detach().float().contiguous()
+    torch.ops.torchbridge_serve.hold_panel_weight(key, panel_layout(w), b, w.shape[1], w.shape[0])
     return key
 
 

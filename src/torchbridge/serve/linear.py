@@ -57,6 +57,12 @@ and there it beat XLA's float32 dot from a few rows up: the bundled model's 17 p
 and calls of `HELD_MIN_ROWS` rows or more go to it by its key (`torch.ops.torchbridge.held_linear`, a
 custom call inside the compiled step); fewer rows keep the float32 [in, out] weight. Such a layer holds
 its weight in 16 bits (packed) as well as in float32.
+
+On an AVX2 CPU without AVX-512 there is no oneDNN 16-bit GEMM to hold, and XLA's float32 dot, like oneDNN's,
+leaves much of the core idle at a decode step's rows: `hold(model, panels=True)` hands every float layer to
+the library as panels instead (`hold_panel_weight`), and calls of up to `HELD_PANEL_MAX_ROWS` rows run the
+panel kernel inside the compiled step (16-bit x widened to float32, the result rounded once: XLA's products).
+Larger calls keep XLA's dot by the [in, out] weight, so such a layer holds its weight twice in float32.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class Linear(nn.Linear):
     wide: torch.Tensor | None = None  # a 16-bit weight as float32 (set by `widen`)
     wt: torch.Tensor | None = None  # the weight (or `wide`) as [in, out] (set by `transpose`)
     held: int | None = None  # the key of the weight the engine's kernel library holds (set by `hold`)
+    held_rows: tuple[int, int] = (0, 0)  # calls of this many rows (at least, at most) go to the held weight
     panels: torch.Tensor | None = None  # the weight (float32) in `panel_layout` (set by `pack(panels=True)`)
     panel_bias: torch.Tensor | None = None  # the bias as float32, beside `panels`
 
@@ -86,7 +93,7 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return cpu_kernels.panel_linear(x, self.panels, self.panel_bias, self.out_features)
-        if self.held is not None and x.numel() >= HELD_MIN_ROWS * x.shape[-1]:
+        if self.held is not None and self.held_rows[0] <= x.numel() // x.shape[-1] <= self.held_rows[1]:
             return torch.ops.torchbridge.held_linear(x, self.held, self.weight.shape[0])
         if self.wt is not None:
             y = x.to(self.wt.dtype) @ self.wt
@@ -107,6 +114,10 @@ class Linear(nn.Linear):
 
 # From this many rows a held (oneDNN-packed 16-bit) weight is faster than XLA's float32 dot (the docstring).
 HELD_MIN_ROWS = 4
+# Calls of up to this many rows go to a weight held as panels: in a compiled program of a model's 17 linears
+# it was 1.04-1.78x XLA's float32 dot by the [in, out] weight at 1-32 rows, and 0.86-1.24x at 128-512 (AMD EPYC
+# Zen 3, bench/bench_serve_kernels.py --device-panels, docs/benchmarks/serve_kernels_device_panels_avx2.md).
+HELD_PANEL_MAX_ROWS = 32
 # Above this many rows oneDNN's blocked GEMM catches up with the AMX kernel's one pass per 32 columns
 # (alternated microbench: 1.2-4.7x at 1-32 rows, 0.9-1.2x at 48-64, 0.56-0.98x at 128-512).
 AMX_MAX_ROWS = 32
@@ -199,20 +210,27 @@ def widen(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def hold(model: nn.Module) -> int:
+def hold(model: nn.Module, panels: bool = False) -> int:
     """Hand every 16-bit `Linear` of `model` (on a device other than the CPU, a dtype oneDNN packs here) to the
     engine's kernel library, packed (`Linear.held`; its kernels loaded); returns how many. For the bridge's
-    device over JAX's CPU platform, whose compiler has no 16-bit GEMM. The layer keeps its weight too."""
+    device over JAX's CPU platform, whose compiler has no 16-bit GEMM. The layer keeps its weight too.
+    `panels` (where the CPU kernels' `panel_linear_available()`): every float `Linear` is held in
+    `panel_layout` instead, for the library's float32 kernel, up to `HELD_PANEL_MAX_ROWS` rows."""
     from torchbridge.kernels import held_linear  # noqa: F401 - registers torch.ops.torchbridge.held_linear
     from torchbridge.serve import cpu_kernels
 
     n = 0
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.device.type != "cpu" and m.weight.dtype in _HALF \
-                and packing_supported(m.weight.dtype):
-            bias = None if m.bias is None else m.bias.detach().cpu()
-            m.held = cpu_kernels.hold_packed_weight(m.weight.detach().cpu(), bias)
-            n += 1
+        if not isinstance(m, Linear) or m.weight.device.type == "cpu":
+            continue
+        w, bias = m.weight.detach().cpu(), None if m.bias is None else m.bias.detach().cpu()
+        if panels and w.is_floating_point():
+            m.held, m.held_rows = cpu_kernels.hold_panel_weight(w, bias), (1, HELD_PANEL_MAX_ROWS)
+        elif w.dtype in _HALF and packing_supported(w.dtype):
+            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, 1 << 62)
+        else:
+            continue
+        n += 1
     return n
 
 

@@ -308,7 +308,7 @@ def _tile_kernel() -> str | None:
 
 def _panels() -> bool:
     """Whether float32 linears run the engine's AVX2 panel kernel (serve/linear.py): where it was built for this
-    CPU; TORCHBRIDGE_SERVE_PANELS=0 keeps them on oneDNN (for A/B runs)."""
+    CPU; TORCHBRIDGE_SERVE_PANELS=0 keeps them on oneDNN on the cpu, in XLA on the bridge's device (A/B runs)."""
     from torchbridge.serve import cpu_kernels
 
     return os.environ.get("TORCHBRIDGE_SERVE_PANELS") != "0" and cpu_kernels.panel_linear_available()
@@ -345,7 +345,9 @@ class ModelRunner:
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
         tiles = _tile_kernel() if self.decode_kernel and self.dtype == torch.bfloat16 else None
-        panels = self.decode_kernel and _panels()  # (the CPU kernels run only on the cpu device: config.py)
+        # On the cpu the panel kernel is one of the CPU kernels (config.py allows those only there); on the
+        # bridge's device over JAX's CPU platform its compiled step calls the same kernel by held weights.
+        panels = (self.decode_kernel or _held_weights(self.device)) and _panels()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, tiles,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),

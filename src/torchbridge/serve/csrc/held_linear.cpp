@@ -6,6 +6,11 @@
 // weight is an opaque oneDNN tensor, not memory an XLA buffer could hold, so the engine hands it to this
 // library once (`hold_packed_weight`, under a key derived from the weight's contents) and the device's
 // custom call (device/csrc/host_calls.cpp) calls `held_linear` with that key and its input's buffer.
+//
+// On an AVX2 CPU without AVX-512 the library holds float32 weights in the panel layout of its own kernel
+// instead (`hold_panel_weight`, serve/csrc/panel_linear.cpp): there oneDNN has no 16-bit GEMM and its float32
+// one, like XLA:CPU's dot, leaves much of the core idle at a decode step's rows. A held weight is either form;
+// `held_linear` multiplies by whichever the key names, x in float32 or 16 bits (widened, rounded once).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,8 +26,9 @@
 namespace {
 
 struct Held {
-  at::Tensor packed;  // from mkldnn::_reorder_linear_weight
-  std::optional<at::Tensor> bias;
+  at::Tensor packed;  // from mkldnn::_reorder_linear_weight; undefined for a weight held as panels
+  at::Tensor panels;  // float32 [ceil(N/16), K, 16] (serve/linear.py panel_layout); undefined for a packed one
+  std::optional<at::Tensor> bias;  // the packed weight's dtype, or float32 beside panels
   int64_t in_features;
   int64_t out_features;
 };
@@ -36,7 +42,17 @@ std::unordered_map<int64_t, Held>& held() {
 void hold_packed_weight(int64_t key, at::Tensor packed, std::optional<at::Tensor> bias, int64_t in_features,
                         int64_t out_features) {
   std::lock_guard<std::mutex> guard(g_lock);
-  held()[key] = Held{std::move(packed), std::move(bias), in_features, out_features};
+  held()[key] = Held{std::move(packed), at::Tensor(), std::move(bias), in_features, out_features};
+}
+
+void hold_panel_weight(int64_t key, at::Tensor panels, std::optional<at::Tensor> bias, int64_t in_features,
+                       int64_t out_features) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out_features + 15) / 16 && panels.size(1) == in_features &&
+                  panels.size(2) == 16 && panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+              "hold_panel_weight: panels must be contiguous float32 [", (out_features + 15) / 16, ", ", in_features,
+              ", 16]; got ", panels.sizes(), " ", panels.scalar_type());
+  std::lock_guard<std::mutex> guard(g_lock);
+  held()[key] = Held{at::Tensor(), std::move(panels), std::move(bias), in_features, out_features};
 }
 
 int64_t held_weights() {
@@ -67,6 +83,15 @@ void held_linear(at::Tensor out, const at::Tensor& x, int64_t key) {
               out.scalar_type());
   if (x.size(0) == 0) return;
   c10::InferenceMode mode;
+  if (h.panels.defined()) {
+    static const c10::OperatorHandle& panel = c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::panel_linear", "");
+    const bool f32 = x.scalar_type() == at::kFloat;
+    at::Tensor y = f32 ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+    torch::jit::Stack stack{y, x.to(at::kFloat).contiguous(), h.panels, h.bias};
+    panel.callBoxed(&stack);
+    if (!f32) out.copy_(y);
+    return;
+  }
   static const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x.contiguous(), h.packed, h.bias, std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string(""))};
@@ -79,6 +104,8 @@ void held_linear(at::Tensor out, const at::Tensor& x, int64_t key) {
 TORCH_LIBRARY_FRAGMENT(torchbridge_serve, m) {
   m.def("hold_packed_weight(int key, Tensor packed, Tensor? bias, int in_features, int out_features) -> ()",
         hold_packed_weight);
+  m.def("hold_panel_weight(int key, Tensor panels, Tensor? bias, int in_features, int out_features) -> ()",
+        hold_panel_weight);
   m.def("held_weights() -> int", held_weights);
   m.def("release_held_weights() -> ()", release_held_weights);
   m.def("held_linear(Tensor(a!) out, Tensor x, int key) -> ()");

@@ -41,7 +41,8 @@ def load_model(
     linears' weights as float32 (`widen`); `transposed`: every linear's weight (widened or not) as [in, out]
     (`transpose`); `held`: 16-bit linears also handed, packed, to the engine's kernel library (`hold`: from a
     few rows on, products run oneDNN's 16-bit GEMM); `panels`: float32 linears (and 16-bit ones oneDNN does not
-    run here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`). With `target`, the
+    run here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`), and with `held`
+    every linear held in that layout (`hold(model, panels=True)`). With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
@@ -96,7 +97,7 @@ def load_model(
     model.fuse()
     pack(model, tiles, panels)  # on the cpu: weights laid out once for oneDNN (or as panels), and as tiles if asked
     if held:
-        hold(model)  # (before `widen` releases the 16-bit weights)
+        hold(model, panels)  # (before `widen` releases the 16-bit weights)
     if wide:
         widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
     if transposed:
