@@ -415,7 +415,7 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
     elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld"):
         import torchbridge
 
-        if kind == "ours-tpu-unheld":  # every 16-bit product in XLA, none through the held oneDNN weights
+        if kind == "ours-tpu-unheld":  # every product in XLA, none through held weights (oneDNN 16-bit or panels)
             os.environ["TORCHBRIDGE_SERVE_HELD"] = "0"
 
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency,

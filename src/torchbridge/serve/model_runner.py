@@ -277,9 +277,9 @@ def _transposed_weights(device: torch.device) -> bool:
 
 def _held_weights(device: torch.device) -> bool:
     """Whether 16-bit linears are also handed, packed, to the engine's kernel library (serve/linear.py `hold`,
-    which takes the layers whose dtype oneDNN multiplies on this CPU): on the bridge's device over JAX's CPU
-    platform, where the kernels build. TORCHBRIDGE_SERVE_HELD=0 keeps every product in XLA (for A/B
-    measurements)."""
+    which takes the layers whose dtype oneDNN multiplies on this CPU; with `_panels()`, every float layer as
+    panels instead): on the bridge's device over JAX's CPU platform, where the kernels build.
+    TORCHBRIDGE_SERVE_HELD=0 keeps every product in XLA (for A/B measurements)."""
     return (_bridge_on_cpu_platform(device) and os.environ.get("TORCHBRIDGE_SERVE_HELD", "1") != "0"
             and _cpu_kernels_build())
 
