@@ -223,13 +223,14 @@ def hold(model: nn.Module, panels: bool = False) -> int:
     for m in model.modules():
         if not isinstance(m, Linear) or m.weight.device.type == "cpu":
             continue
-        w, bias = m.weight.detach().cpu(), None if m.bias is None else m.bias.detach().cpu()
-        if panels and w.is_floating_point():
-            m.held, m.held_rows = cpu_kernels.hold_panel_weight(w, bias), (1, HELD_PANEL_MAX_ROWS)
-        elif w.dtype in _HALF and packing_supported(w.dtype):
-            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, 1 << 62)
-        else:
+        as_panels = panels and m.weight.is_floating_point()
+        if not as_panels and not (m.weight.dtype in _HALF and packing_supported(m.weight.dtype)):
             continue
+        w, bias = m.weight.detach().cpu(), None if m.bias is None else m.bias.detach().cpu()
+        if as_panels:
+            m.held, m.held_rows = cpu_kernels.hold_panel_weight(w, bias), (1, HELD_PANEL_MAX_ROWS)
+        else:
+            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, 1 << 62)
         n += 1
     return n
 
