@@ -201,14 +201,36 @@ def panel_cases(dtype: torch.dtype):  # noqa: ANN201
                 yield f"{model}{label}, {rows} rows", lambda c=call: c("old"), lambda c=call: c("new")
 
 
+# A model's 17 linears (4 decoder layers and the LM head) as one program on the bridge's device.
+DEVICE_MODELS = (("bundled model", BUNDLED_SHAPES[:4] * 4 + BUNDLED_SHAPES[4:]),
+                 ("bench model", LINEAR_SHAPES[:4] * 4 + LINEAR_SHAPES[4:]))
+
+
+def _device_program_cases(model: str, shapes: list[tuple[int, int]], old, new, dtype: torch.dtype,  # noqa: ANN001
+                          g: torch.Generator, rtol: float, atol: float):  # noqa: ANN202
+    """Both compiled programs at 1-512 rows, checked against each other first; timed with the last output copied
+    back (the whole program has run)."""
+    import torchbridge
+
+    dev = torchbridge.device_name()
+    for rows in (1, 2, 4, 8, 32, 128, 512):
+        xs = [torch.randn(rows, i, generator=g).to(dtype).to(dev) for i, _ in shapes]
+        torch.testing.assert_close(old(xs)[-1].cpu().float(), new(xs)[-1].cpu().float(), rtol=rtol, atol=atol)
+
+        def sync(fn, xs=xs) -> None:  # noqa: ANN001
+            fn(xs)[-1].cpu()
+
+        yield (f"{model}, {len(shapes)} linears, {rows} rows", lambda sync=sync, old=old: sync(old),
+               lambda sync=sync, new=new: sync(new))
+
+
 def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
     import torchbridge
 
     dev = torchbridge.device_name()
     g = torch.Generator().manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # one static program per model and row count, on purpose
-    for model, shapes in (("bundled model", BUNDLED_SHAPES[:4] * 4 + BUNDLED_SHAPES[4:]),
-                          ("bench model", LINEAR_SHAPES[:4] * 4 + LINEAR_SHAPES[4:])):  # 4 layers + LM head
+    for model, shapes in DEVICE_MODELS:
         plain = [torch.randn(o, i, generator=g).to(dtype).to(dev) for i, o in shapes]
         wts = [w.t().contiguous() for w in plain]
 
@@ -220,15 +242,7 @@ def device_linear_cases(dtype: torch.dtype):  # noqa: ANN201
         def new(xs: list[torch.Tensor], ws: list[torch.Tensor] = wts) -> list[torch.Tensor]:
             return [x @ w for x, w in zip(xs, ws, strict=True)]
 
-        for rows in (1, 2, 4, 8, 32, 128, 512):
-            xs = [torch.randn(rows, i, generator=g).to(dtype).to(dev) for i, _ in shapes]
-            torch.testing.assert_close(old(xs)[-1].cpu(), new(xs)[-1].cpu(), rtol=1e-4, atol=1e-3)
-
-            def sync(fn, xs=xs) -> None:  # noqa: ANN001
-                fn(xs)[-1].cpu()  # the program's last output back: the whole program has run
-
-            yield (f"{model}, {len(shapes)} linears, {rows} rows", lambda sync=sync, old=old: sync(old),
-                   lambda sync=sync, new=new: sync(new))
+        yield from _device_program_cases(model, shapes, old, new, dtype, g, rtol=1e-4, atol=1e-3)
 
 
 def device_panel_cases(dtype: torch.dtype):  # noqa: ANN201
@@ -240,8 +254,7 @@ def device_panel_cases(dtype: torch.dtype):  # noqa: ANN201
     dev = torchbridge.device_name()
     torch._dynamo.config.recompile_limit = 64  # one static program per model and row count, on purpose
     g = torch.Generator().manual_seed(0)
-    for model, shapes in (("bundled model", BUNDLED_SHAPES[:4] * 4 + BUNDLED_SHAPES[4:]),
-                          ("bench model", LINEAR_SHAPES[:4] * 4 + LINEAR_SHAPES[4:])):
+    for model, shapes in DEVICE_MODELS:
         layers = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
         twin = torch.nn.ModuleList(Linear(i, o, bias=False) for i, o in shapes).to(dtype)
         twin.load_state_dict(layers.state_dict())
@@ -255,16 +268,7 @@ def device_panel_cases(dtype: torch.dtype):  # noqa: ANN201
             return torch.compile(lambda inputs: [m(x) for x, m in zip(inputs, mods, strict=True)], backend="tpu",
                                  dynamic=False)
 
-        old, new = program(layers), program(twin)
-        for rows in (1, 2, 4, 8, 32, 128, 512):
-            xs = [torch.randn(rows, i, generator=g).to(dtype).to(dev) for i, _ in shapes]
-            torch.testing.assert_close(old(xs)[-1].cpu().float(), new(xs)[-1].cpu().float(), rtol=1e-2, atol=1e-2)
-
-            def sync(fn, xs=xs) -> None:  # noqa: ANN001
-                fn(xs)[-1].cpu()  # the program's last output back: the whole program has run
-
-            yield (f"{model}, {len(shapes)} linears, {rows} rows", lambda sync=sync, old=old: sync(old),
-                   lambda sync=sync, new=new: sync(new))
+        yield from _device_program_cases(model, shapes, program(layers), program(twin), dtype, g, rtol=1e-2, atol=1e-2)
 
 
 def greedy_cases(dtype: torch.dtype):  # noqa: ANN201
