@@ -170,10 +170,11 @@ def run_hf(model_dir: Path, requests: list[list[int]], out_lens: list[int], batc
 # ---- ours -----------------------------------------------------------------------------------------
 def run_ours_offline(model_dir: Path, requests: list[list[int]], out_lens: list[int], concurrency: int,
                      decode_workspace: bool = True, device: str = "cpu", compile_model: bool | None = None,
-                     dtype: str = "float32") -> float:
+                     dtype: str = "float32", async_scheduling: bool | None = None) -> float:
     from torchbridge.serve import LLM, SamplingParams
 
-    extra = {} if device == "cpu" else {"device": device, "compile_model": compile_model}
+    extra = {} if device == "cpu" else {"device": device, "compile_model": compile_model,
+                                        "async_scheduling": async_scheduling}
     llm = LLM(str(model_dir), max_num_seqs=concurrency, max_model_len=1024, enable_prefix_caching=False,
               decode_workspace=decode_workspace, dtype=dtype, **extra)
     llm.generate([requests[0][:8]], SamplingParams(temperature=0, max_tokens=2))
@@ -412,7 +413,7 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
             os.environ["TORCHBRIDGE_SERVE_TILES"] = "0"
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind != "ours-gather",
                                              dtype=args.dtype)
-    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld"):
+    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync"):
         import torchbridge
 
         if kind == "ours-tpu-unheld":  # every product in XLA, none through held weights (oneDNN 16-bit or panels)
@@ -420,7 +421,9 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
 
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency,
                                              device=torchbridge.device_name(), compile_model=kind != "ours-tpu-ops",
-                                             dtype=args.dtype)
+                                             dtype=args.dtype,
+                                             # (ours-tpu-sync: each step waits for its program before the next is scheduled)
+                                             async_scheduling=False if kind == "ours-tpu-sync" else None)
     else:
         batch = args.concurrency if kind == "hf-batched" else 1
         t, per, computed = run_hf(model_dir, reqs, out_lens, batch, args.dtype)
@@ -439,7 +442,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
     return lines
 
 
-ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld",
+ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
         "hf-batched", "hf-sequential", "vllm")
 
 

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pad every step to static shape buckets (default: on for devices other than cpu/cuda)")
     p.add_argument("--compile", dest="compile_model", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each shape bucket's whole step as one graph (default: on for the bridge's device)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare the next step while the current one runs (default: on for the "
+                        "bridge's device without speculation or tensor parallelism)")
     p.add_argument("--warmup", choices=WARMUP_MODES, default=None,
                    help="run the shape buckets once before serving: 'idle' (default with --shape-buckets) the "
                         "first of each kind before the server is healthy and the rest while the engine is idle, "
@@ -151,6 +154,7 @@ def _engine_config(args: argparse.Namespace, model: str):  # noqa: ANN202 - an E
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, speculative_ngram=args.speculative_ngram,
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-        shape_buckets=args.shape_buckets, compile_model=args.compile_model, served_model_name=args.served_model_name, seed=args.seed,
+        shape_buckets=args.shape_buckets, compile_model=args.compile_model, async_scheduling=args.async_scheduling,
+        served_model_name=args.served_model_name, seed=args.seed,
         kv_events=not args.no_kv_events,
     )

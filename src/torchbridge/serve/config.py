@@ -168,6 +168,10 @@ class EngineConfig:
     # None: on for the bridge's device. Each shape bucket's whole step (model and logits) is one
     # torch.compile(backend=<device>) graph, i.e. one XLA executable, instead of one per op.
     compile_model: bool | None = None
+    # vLLM's --async-scheduling. None: on where the compiled step runs while the host works (the bridge's
+    # device, without speculation or tensor parallelism). The next step is scheduled and prepared while the
+    # current one runs, fed its tokens as they are sampled; a sequence that ends is computed one step more.
+    async_scheduling: bool | None = None
     served_model_name: str | None = None
     # Ranks (processes, one per chip) the model is sharded over; rank 0 is this process (serve/workers.py).
     tensor_parallel_size: int = 1
@@ -203,6 +207,16 @@ class EngineConfig:
             self.compile_model = _is_bridge_device(self.device) and self.shape_buckets
         if self.compile_model and not self.shape_buckets:
             raise ValueError("compile_model needs shape_buckets: without them every step is a new shape to compile")
+        supported = self.compile_model and _is_bridge_device(self.device)
+        if self.async_scheduling is None:
+            self.async_scheduling = bool(supported) and self.tensor_parallel_size == 1 and not (
+                self.speculative_config or self.speculative_ngram)
+        elif self.async_scheduling:
+            why = ("it needs the bridge's device with compile_model (a step the device runs while the host works)"
+                   if not supported else "not with tensor_parallel_size > 1" if self.tensor_parallel_size > 1
+                   else "not with speculative decoding" if self.speculative_config or self.speculative_ngram else None)
+            if why:
+                raise ValueError(f"async_scheduling: {why}")
         from torchbridge.serve.parallel import check_divisible
 
         check_divisible(self.model_config, self.tensor_parallel_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from torchbridge.serve.block_manager import BlockManager
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.kv_events import KVEventLog
-from torchbridge.serve.model_runner import ModelRunner
+from torchbridge.serve.model_runner import ModelRunner, plan
 from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, row_max, token_logprobs
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.scheduler import Batch, Scheduler
@@ -72,6 +73,15 @@ class Stats:
     steps: int = 0
 
 
+@dataclass
+class _InFlight:
+    """A launched step (async scheduling): its batch, what waits for its logits, and each item's rows."""
+
+    batch: Batch
+    wait: Callable[[], torch.Tensor]
+    rows: list[tuple[int, int]]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
         self.config = config
@@ -100,6 +110,9 @@ class LLMEngine:
         )
         self.stats = Stats()
         self.metrics = None  # set by the server: an object with observe_* hooks (see metrics.py)
+        # Async scheduling (config.async_scheduling): the step in flight while the next is scheduled.
+        self.async_scheduling = bool(config.async_scheduling) and self.proposer is None and self.runner.launches
+        self._inflight: _InFlight | None = None
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(
@@ -196,7 +209,7 @@ class LLMEngine:
         return [u for rid in list(self.requests) for u in self.fail_request(rid, message)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
@@ -211,6 +224,8 @@ class LLMEngine:
         return updates
 
     def _step(self) -> list[SeqUpdate]:
+        if self.async_scheduling:
+            return self._step_async()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -256,6 +271,104 @@ class LLMEngine:
                 continue
             try:
                 updates.append(self._append(seq, toks, lps))
+            except Exception as e:  # noqa: BLE001
+                failed[seq.request_id] = self._failure("detokenizing", e)
+        for rid, message in failed.items():
+            updates += self.fail_request(rid, message)
+        return updates
+
+    def _step_async(self) -> list[SeqUpdate]:
+        """One step of async scheduling: schedule and prepare step k while step k - 1 runs; wait for k - 1
+        and sample it; feed its new tokens to k and launch k; then turn k - 1's tokens into outputs while k
+        runs. Only the sampling and the launch keep the device waiting. A sequence that k - 1 ends (a stop
+        token, a stop string, an abort) was fed to k too: that row's result is dropped, and its K/V write
+        lands in blocks freed after k was launched, so before any later step can reuse them."""
+        batch = self.scheduler.schedule()
+        updates = [self._finish(s, "length") for s in batch.aborted_for_space]
+        prev, self._inflight = self._inflight, None
+        inp = None
+        if batch.items:
+            try:
+                inp = self.runner.prepare(plan(batch, self.config.block_size))
+            except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
+                updates += self._fail_batch(batch, e)
+        sampled: dict[int, tuple[list[int], list[dict]]] = {}
+        failed: dict[str, str] = {}
+        if prev is not None:
+            try:
+                logits = prev.wait()
+            except Exception as e:  # noqa: BLE001
+                # k was not launched: its sequences are scheduled again next step (their state is unchanged)
+                return updates + self._fail_batch(prev.batch, e)
+            sampled, failed = self._sample_async(prev, logits)
+        if inp is not None:
+            updates += self._launch(batch, inp, sampled)
+        if prev is not None:
+            updates += self._outputs_async(prev, sampled, failed)
+        return updates
+
+    def _fail_batch(self, batch: Batch, e: Exception) -> list[SeqUpdate]:
+        log.exception("model step failed; failing the %d request(s) in its batch", len(batch.items))
+        failed = {it.seq.request_id for it in batch.items}
+        return [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
+
+    def _launch(self, batch: Batch, inp: object, sampled: dict[int, tuple[list[int], list[dict]]]) -> list[SeqUpdate]:
+        """Feed each sequence's token from the step before (sampled just now), launch, and count the step's
+        tokens as computed (what follows is scheduled as if they were). The updates: of a failed launch."""
+        first = 0
+        for it in batch.items:
+            seq = it.seq
+            if seq.num_pending:  # its last fed token was being sampled: 0 until now (plan())
+                toks = sampled.get(seq.seq_id)
+                inp.input_ids[first + it.num_tokens - 1] = toks[0][0] if toks else 0  # type: ignore[attr-defined]
+            first += it.num_tokens
+        self.stats.steps += 1
+        try:
+            wait = self.runner.launch(inp)  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001
+            return self._fail_batch(batch, e)
+        max_len = self.config.max_model_len
+        for it in batch.items:
+            seq = it.seq
+            samples = it.samples  # (before the tokens count as computed)
+            if seq.num_computed_tokens < seq.prompt_len:
+                self.stats.computed_prompt_tokens += min(it.num_tokens, seq.prompt_len - seq.num_computed_tokens)
+            seq.num_computed_tokens += it.num_tokens
+            if samples:
+                seq.num_pending += 1
+                out = seq.num_output_tokens + seq.num_pending
+                seq.ends_pending = out >= self._max_tokens(seq) or seq.prompt_len + out >= max_len
+        self._inflight = _InFlight(batch, wait, inp.rows)  # type: ignore[attr-defined]
+        return []
+
+    def _sample_async(self, prev: _InFlight, logits: torch.Tensor
+                      ) -> tuple[dict[int, tuple[list[int], list[dict]]], dict[str, str]]:
+        """The tokens of a finished step's sampled rows, by sequence (those that ended meanwhile skipped),
+        and an error message per request whose sampling failed."""
+        plain = [(it.seq, row) for it, (row, count) in zip(prev.batch.items, prev.rows, strict=True)
+                 if count and not it.seq.is_finished]
+        sampled, failed = {}, {}
+        for (seq, _), s in zip(plain, self._sample(logits, plain), strict=True):
+            if isinstance(s, str):
+                failed[seq.request_id] = s
+            else:
+                sampled[seq.seq_id] = ([s.token_id], [s.logprob] if s.logprob else [])
+        return sampled, failed
+
+    def _outputs_async(self, prev: _InFlight, sampled: dict[int, tuple[list[int], list[dict]]],
+                       failed: dict[str, str]) -> list[SeqUpdate]:
+        updates = []
+        for it, (_, count) in zip(prev.batch.items, prev.rows, strict=True):
+            seq = it.seq
+            if count:
+                seq.num_pending -= 1
+            if seq.is_finished or seq.request_id in failed:
+                continue
+            if not count:
+                self.block_manager.commit(seq)
+                continue
+            try:
+                updates.append(self._append(seq, *sampled[seq.seq_id]))
             except Exception as e:  # noqa: BLE001
                 failed[seq.request_id] = self._failure("detokenizing", e)
         for rid, message in failed.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,9 @@ def plan(batch: Batch, block_size: int) -> StepPlan:
     for it in batch.items:
         seq = it.seq
         start = seq.num_computed_tokens
-        toks = seq.token_ids[start : start + it.num_tokens] + it.draft_tokens
+        toks = seq.token_ids[start : start + it.num_tokens]
+        # (async scheduling: a token still being sampled is fed as 0 here and filled in before launch)
+        toks = toks + [0] * (it.num_tokens - len(toks)) + it.draft_tokens
         blocks = seq.block_table[: -(-(start + len(toks)) // block_size)]
         out.append(PlannedSeq(seq.seq_id, start, toks, blocks, 1 + len(it.draft_tokens) if it.samples else 0))
     return out
@@ -582,6 +585,28 @@ class ModelRunner:
             self.last_hidden = hidden[: sum(len(s.tokens) for s in step)].cpu()
         num_real = sum(c for _, c in inp.rows)
         return logits[:num_real], inp.rows
+
+    @property
+    def launches(self) -> bool:
+        """Whether a step can run while the host schedules and prepares the next (`launch`): a replayed
+        compiled step, whose executable JAX dispatches without waiting for it."""
+        return self._replays is not None and self.workers is None and not self.keep_hidden and not self.takes_features
+
+    @torch.inference_mode()
+    def launch(self, inp: StepInput) -> Callable[[], torch.Tensor]:
+        """Start `inp`'s step (prepared by `prepare`, on a runner that `launches`) and return what waits for
+        it: the logits (fp32, on the host) of its rows to sample. A bucket's first step (its capture), or
+        one that cannot replay, runs before this returns."""
+        self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
+        num_real = sum(c for _, c in inp.rows)
+        assert self._replays is not None
+        rep = self._replays.get(inp.replay_key())
+        if rep is not None:
+            launched = rep.launch(inp.host_tensors())
+            if launched is not None:
+                return lambda: launched.result()[0][:num_real]
+        logits = self._run_step(inp)[:num_real].float().cpu()  # type: ignore[index] (no hidden states kept)
+        return lambda: logits
 
     def _run_step(self, inp: StepInput) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The compiled (or eager) step on `inp`; replayed where this bucket's step was captured (its outputs

@@ -25,7 +25,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, i.e. produces its next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids) + self.seq.num_pending
 
 
 @dataclass
@@ -81,6 +81,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.ends_pending:  # its last token is being sampled: nothing more to compute
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             drafts = seq.draft_tokens if n == seq.num_uncomputed == 1 else []
             drafts = drafts[: budget - n]

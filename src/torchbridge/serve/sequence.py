@@ -36,6 +36,11 @@ class Sequence:
         self.block_table: list[int] = []
         # Tokens whose K/V are in the cache; the rest (up to len(token_ids)) still need a forward pass.
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step in flight is sampling, not yet in token_ids (the next step is
+        # scheduled, and fed them, before they are known); `ends_pending`: the last of them ends the
+        # sequence by length, so no step after it is scheduled.
+        self.num_pending = 0
+        self.ends_pending = False
         # Full blocks of this sequence already registered in the prefix cache.
         self.num_hashed_blocks = 0
         self.block_hashes: list[int] = []
@@ -73,7 +78,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -228,6 +228,7 @@ class _DraftView:
     token_ids: _Extended
     num_computed_tokens: int
     block_table: list[int]
+    num_pending: int = 0  # (the draft runs synchronously: no token of it is sampled in flight)
 
 
 class DraftModelProposer:
