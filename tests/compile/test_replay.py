@@ -70,6 +70,31 @@ def _captured(weight: torch.Tensor, cache: torch.Tensor) -> replay.Replay:
     return rep
 
 
+def test_staged_launches_read_host_inputs_written_after_staging_and_run_in_order(state: dict) -> None:
+    """Async scheduling's use: step k is staged while step k - 1 is in flight, its host inputs filled in
+    place after staging, then launched; each reads the cache rows the one before it wrote."""
+    weight, cache = state["dev"]
+    cpu_weight, cpu_cache = state["cpu"]
+    rep = _captured(weight, cache)
+    _step(cpu_weight, cpu_cache, *_inputs(0))  # (the capture ran the first step)
+    with torch.inference_mode():
+        in_flight = None
+        for seed in range(1, 6):
+            inputs = _inputs(seed)
+            real_x = inputs[1].clone()
+            inputs[1].zero_()
+            staged = rep.stage(inputs)  # the earlier launch is still running (or may be)
+            assert staged is not None
+            if in_flight is not None:
+                want, launched = in_flight
+                torch.testing.assert_close(launched.result()[0], want)
+            inputs[1].copy_(real_x)  # written after staging: the launch must read this, not the zeros
+            in_flight = (_step(cpu_weight, cpu_cache, *inputs), staged.launch())
+        want, launched = in_flight
+        torch.testing.assert_close(launched.result()[0], want)
+    torch.testing.assert_close(cache.cpu(), cpu_cache)
+
+
 def test_a_replay_refuses_inputs_that_no_longer_fit_and_runs_nothing(state: dict) -> None:
     weight, cache = state["dev"]
     rep = _captured(weight, cache)

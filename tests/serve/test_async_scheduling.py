@@ -39,8 +39,8 @@ def _launched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from torchbridge.compile import replay
 
     calls: list[int] = []
-    launch = replay.Replay.launch
-    monkeypatch.setattr(replay.Replay, "launch", lambda self, s: calls.append(1) or launch(self, s))
+    launch = replay.Staged.launch
+    monkeypatch.setattr(replay.Staged, "launch", lambda self: calls.append(1) or launch(self))
     return calls
 
 

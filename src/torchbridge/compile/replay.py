@@ -113,10 +113,21 @@ class Replay:
         """Start the call without waiting for it (JAX dispatches asynchronously): the caller does host work
         while the program runs and takes the outputs, as CPU tensors, from `result()`. None where the
         captured call no longer fits (nothing has run then)."""
-        flat_out = self._dispatch(sources)
-        return None if flat_out is None else Launched(flat_out, self._call.out_meta, sources)
+        staged = self.stage(sources)
+        return None if staged is None else staged.launch()
+
+    def stage(self, sources: Sequence[torch.Tensor]) -> Staged | None:
+        """Everything of a launch but the executable's call: the checks, the host inputs as arrays that
+        share the sources' memory (the caller may still write them in place until `launch()`, and must not
+        after), the device buffers as they are now (those of calls launched before: the device runs calls
+        in order). None where the captured call no longer fits."""
+        return self._stage(sources, copy=False)
 
     def _dispatch(self, sources: Sequence[torch.Tensor]) -> Any:
+        staged = self._stage(sources, copy=True)
+        return None if staged is None else staged.run()
+
+    def _stage(self, sources: Sequence[torch.Tensor], copy: bool) -> Staged | None:
         call = self._call
         if host_calls.switches() != call.switches:
             return None
@@ -125,7 +136,7 @@ class Replay:
             t = sources[j]
             if t.shape != shape or t.dtype != dtype or t.device.type != "cpu":
                 return None
-            hosts.append(dtypes.host_to_numpy(t))
+            hosts.append(dtypes.host_to_numpy(t, copy))
         table = STATE.table
         table.drain()
         bufs = []
@@ -134,17 +145,33 @@ class Replay:
             if buf.dtype != buf_dtype or buf.shape[0] != size:
                 return None
             bufs.append(buf)
-        buf = None  # (donation counts the references to each buffer: no stray local may hold one)
+        if call.program.writes and self._picks is None:
+            # (by sizes and dtypes, which every replay has checked are the captured ones)
+            self._picks = call.program._donation_picks(call.args, bufs, call.slot)
+        return Staged(self, hosts, bufs, sources)
+
+
+class Staged:
+    """A replay checked and gathered, not yet called (`Replay.stage`)."""
+
+    def __init__(self, replay: Replay, hosts: list, bufs: list, sources: Sequence[torch.Tensor]) -> None:
+        self._replay, self._hosts, self._bufs, self._sources = replay, hosts, bufs, sources
+
+    def launch(self) -> Launched:
+        return Launched(self.run(), self._replay._call.out_meta, self._sources)
+
+    def run(self) -> Any:
+        rep, call = self._replay, self._replay._call
+        # (donation counts the references to each buffer: this object lets go of its list first)
+        bufs, hosts, self._bufs, self._hosts = self._bufs, self._hosts, None, None
         program, dev = call.program, call.device.index or 0
         if program.writes:
-            if self._picks is None:  # (by sizes and dtypes, which every replay has checked are the captured ones)
-                self._picks = program._donation_picks(call.args, bufs, call.slot)
             flat_out = program._call_writing(call.fn, call.args, bufs, call.slot, hosts, call.consts, None, dev, None,
-                                             self._picks)
+                                             rep._picks)
         else:
             flat_out = backend._call_recycling(call.fn, (tuple(bufs), tuple(hosts), tuple(call.consts), None))
             STATE.last_results[dev] = flat_out
-        self.replays += 1
+        rep.replays += 1
         backend.compile_counter["replayed_calls"] += 1
         return flat_out
 

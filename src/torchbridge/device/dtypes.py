@@ -37,19 +37,23 @@ def to_torch(dtype: np.dtype) -> torch.dtype:
     return JAX_TO_TORCH[jnp.dtype(dtype)]
 
 
-def host_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a numpy array of the matching JAX dtype (bfloat16 via ml_dtypes)."""
+def host_to_numpy(t: torch.Tensor, copy: bool = True) -> np.ndarray:
+    """A CPU tensor as a numpy array of the matching JAX dtype (bfloat16 via ml_dtypes). `copy=False`: the
+    array shares the tensor's memory (a caller that owns the tensor and keeps it alive and unchanged while a
+    program may read it)."""
     # Through DLPack, not Tensor.numpy(): .numpy() marks the CPU storage non-resizable for good, so a
     # later `out=` resize of the user's tensor would fail after `t.to(device)`.
     # The result is a copy: JAX's CPU client may alias host memory instead of copying it, and the
     # user may mutate `t` before the device program (deferred in fused mode) reads it.
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
-        return np.from_dlpack(t.view(torch.int16)).view(jnp.bfloat16).copy()
-    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        a = np.from_dlpack(t.view(torch.int16)).view(jnp.bfloat16)
+    elif t.dtype in (torch.uint16, torch.uint32, torch.uint64):
         signed = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}[t.dtype]
-        return np.from_dlpack(t.view(signed)).view(TORCH_TO_JAX[t.dtype]).copy()
-    return np.from_dlpack(t).copy()
+        a = np.from_dlpack(t.view(signed)).view(TORCH_TO_JAX[t.dtype])
+    else:
+        a = np.from_dlpack(t)
+    return a.copy() if copy else a
 
 
 def numpy_to_host(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

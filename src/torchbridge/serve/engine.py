@@ -286,10 +286,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         updates = [self._finish(s, "length") for s in batch.aborted_for_space]
         prev, self._inflight = self._inflight, None
-        inp = None
+        inp = start = None
         if batch.items:
             try:
                 inp = self.runner.prepare(plan(batch, self.config.block_size))
+                start = self.runner.stage(inp)  # (all of the launch that does not need the new tokens)
             except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
                 updates += self._fail_batch(batch, e)
         sampled: dict[int, tuple[list[int], list[dict]]] = {}
@@ -301,8 +302,8 @@ class LLMEngine:
                 # k was not launched: its sequences are scheduled again next step (their state is unchanged)
                 return updates + self._fail_batch(prev.batch, e)
             sampled, failed = self._sample_async(prev, logits)
-        if inp is not None:
-            updates += self._launch(batch, inp, sampled)
+        if start is not None:
+            updates += self._launch(batch, inp, start, sampled)
         if prev is not None:
             updates += self._outputs_async(prev, sampled, failed)
         return updates
@@ -312,7 +313,8 @@ class LLMEngine:
         failed = {it.seq.request_id for it in batch.items}
         return [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
 
-    def _launch(self, batch: Batch, inp: object, sampled: dict[int, tuple[list[int], list[dict]]]) -> list[SeqUpdate]:
+    def _launch(self, batch: Batch, inp: object, start: Callable[[], Callable[[], torch.Tensor]],
+                sampled: dict[int, tuple[list[int], list[dict]]]) -> list[SeqUpdate]:
         """Feed each sequence's token from the step before (sampled just now), launch, and count the step's
         tokens as computed (what follows is scheduled as if they were). The updates: of a failed launch."""
         first = 0
@@ -324,7 +326,7 @@ class LLMEngine:
             first += it.num_tokens
         self.stats.steps += 1
         try:
-            wait = self.runner.launch(inp)  # type: ignore[arg-type]
+            wait = start()
         except Exception as e:  # noqa: BLE001
             return self._fail_batch(batch, e)
         max_len = self.config.max_model_len

@@ -593,20 +593,28 @@ class ModelRunner:
         return self._replays is not None and self.workers is None and not self.keep_hidden and not self.takes_features
 
     @torch.inference_mode()
-    def launch(self, inp: StepInput) -> Callable[[], torch.Tensor]:
-        """Start `inp`'s step (prepared by `prepare`, on a runner that `launches`) and return what waits for
-        it: the logits (fp32, on the host) of its rows to sample. A bucket's first step (its capture), or
-        one that cannot replay, runs before this returns."""
+    def stage(self, inp: StepInput) -> Callable[[], Callable[[], torch.Tensor]]:
+        """Get `inp`'s step (prepared by `prepare`, on a runner that `launches`) ready to start, and return
+        what starts it; that returns what waits for it: the logits (fp32, on the host) of its rows to sample.
+        Until the start the caller may still write `inp`'s host tensors in place (async scheduling fills in
+        the tokens being sampled). A bucket's first step (its capture), or one that cannot replay, runs when
+        started and is done when the start returns."""
         self.shapes_seen.add(self.shape_key(inp.input_ids, inp.sample_index, inp.meta))
         num_real = sum(c for _, c in inp.rows)
         assert self._replays is not None
         rep = self._replays.get(inp.replay_key())
-        if rep is not None:
-            launched = rep.launch(inp.host_tensors())
-            if launched is not None:
+        staged = None if rep is None else rep.stage(inp.host_tensors())
+        if staged is not None:
+            def start() -> Callable[[], torch.Tensor]:
+                launched = staged.launch()
                 return lambda: launched.result()[0][:num_real]
-        logits = self._run_step(inp)[:num_real].float().cpu()  # type: ignore[index] (no hidden states kept)
-        return lambda: logits
+            return start
+
+        def run() -> Callable[[], torch.Tensor]:
+            with torch.inference_mode():
+                logits = self._run_step(inp)[:num_real].float().cpu()  # type: ignore[index] (no hidden states kept)
+            return lambda: logits
+        return run
 
     def _run_step(self, inp: StepInput) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The compiled (or eager) step on `inp`; replayed where this bucket's step was captured (its outputs
