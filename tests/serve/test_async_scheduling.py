@@ -130,3 +130,46 @@ def test_seeded_sampling_and_logprobs_as_without_it(llm: LLM, llama_dir: Path) -
         for cg, cw in zip(g.outputs, w.outputs, strict=True):
             assert [d["token"] for d in cg.logprobs] == [d["token"] for d in cw.logprobs]
             assert [d["logprob"] for d in cg.logprobs] == pytest.approx([d["logprob"] for d in cw.logprobs], abs=1e-5)
+
+
+def test_the_openai_server_on_the_device_streams_what_the_cpu_engine_writes(llama_dir: Path) -> None:
+    """`serve --device <bridge>` (the engine in its own process, async scheduling its default there) through the
+    official client: concurrent streams, a stop string that ends a sequence already fed to the next step."""
+    import concurrent.futures
+
+    import openai
+    from serve_support import API_KEY, running_server
+
+    from torchbridge.serve.engine_process import EngineProcess
+    from torchbridge.serve.server import create_app
+
+    prompts = ["the cat sat on", "a b c d e", "one two three four five six"]
+    ref = LLM(str(llama_dir), block_size=4, num_blocks=64, max_model_len=48).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    texts = [o.outputs[0].text for o in ref]
+    stop = texts[0][len(texts[0]) // 2 : len(texts[0]) // 2 + 3]  # ends the first prompt's output midway
+    config = EngineConfig(model=str(llama_dir), device=DEV, block_size=4, num_blocks=64, max_model_len=48,
+                          served_model_name="tiny")
+    assert config.async_scheduling
+    engine = EngineProcess(config)
+    engine.start()
+    try:
+        with running_server(create_app(engine, api_key=API_KEY, max_request_bytes=2**20)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+            def stream(i: int) -> tuple[str, str | None]:
+                chunks = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=14,
+                                                   temperature=0, stream=True, stop=[stop] if i == 0 else None,
+                                                   extra_body={"ignore_eos": True})
+                text, reason = "", None
+                for c in chunks:
+                    text += c.choices[0].text
+                    reason = c.choices[0].finish_reason or reason
+                return text, reason
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(stream, range(3)))
+    finally:
+        engine.shutdown()
+    assert got[0] == (texts[0][: texts[0].find(stop)], "stop")
+    assert got[1:] == [(t, "length") for t in texts[1:]]
