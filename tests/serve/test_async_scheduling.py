@@ -55,6 +55,11 @@ def test_the_default_on_the_device_only_and_refused_where_it_cannot_run(llama_di
         EngineConfig(model=m, device="cpu", async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling: not with speculative decoding"):
         EngineConfig(model=m, device=DEV, speculative_ngram=2, async_scheduling=True)
+    from torchbridge.serve.cli import _engine_config, build_parser
+
+    for flags, want in (([], True), (["--no-async-scheduling"], False)):
+        args = build_parser().parse_args(["--model", m, "--device", DEV, *flags])
+        assert _engine_config(args, m).async_scheduling is want
 
 
 def test_greedy_tokens_are_hf_while_sequences_end_and_new_ones_take_their_blocks(
