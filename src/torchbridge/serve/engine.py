@@ -18,7 +18,7 @@ import torch
 from torchbridge.serve.block_manager import BlockManager
 from torchbridge.serve.config import EngineConfig
 from torchbridge.serve.kv_events import KVEventLog
-from torchbridge.serve.model_runner import ModelRunner, plan
+from torchbridge.serve.model_runner import ModelRunner, StepInput, plan
 from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, row_max, token_logprobs
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
 from torchbridge.serve.scheduler import Batch, Scheduler
@@ -302,7 +302,7 @@ class LLMEngine:
                 # k was not launched: its sequences are scheduled again next step (their state is unchanged)
                 return updates + self._fail_batch(prev.batch, e)
             sampled, failed = self._sample_async(prev, logits)
-        if start is not None:
+        if start is not None and inp is not None:
             updates += self._launch(batch, inp, start, sampled)
         if prev is not None:
             updates += self._outputs_async(prev, sampled, failed)
@@ -313,7 +313,7 @@ class LLMEngine:
         failed = {it.seq.request_id for it in batch.items}
         return [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
 
-    def _launch(self, batch: Batch, inp: object, start: Callable[[], Callable[[], torch.Tensor]],
+    def _launch(self, batch: Batch, inp: StepInput, start: Callable[[], Callable[[], torch.Tensor]],
                 sampled: dict[int, tuple[list[int], list[dict]]]) -> list[SeqUpdate]:
         """Feed each sequence's token from the step before (sampled just now), launch, and count the step's
         tokens as computed (what follows is scheduled as if they were). The updates: of a failed launch."""
@@ -322,7 +322,7 @@ class LLMEngine:
             seq = it.seq
             if seq.num_pending:  # its last fed token was being sampled: 0 until now (plan())
                 toks = sampled.get(seq.seq_id)
-                inp.input_ids[first + it.num_tokens - 1] = toks[0][0] if toks else 0  # type: ignore[attr-defined]
+                inp.input_ids[first + it.num_tokens - 1] = toks[0][0] if toks else 0
             first += it.num_tokens
         self.stats.steps += 1
         try:
@@ -340,7 +340,7 @@ class LLMEngine:
                 seq.num_pending += 1
                 out = seq.num_output_tokens + seq.num_pending
                 seq.ends_pending = out >= self._max_tokens(seq) or seq.prompt_len + out >= max_len
-        self._inflight = _InFlight(batch, wait, inp.rows)  # type: ignore[attr-defined]
+        self._inflight = _InFlight(batch, wait, inp.rows)
         return []
 
     def _sample_async(self, prev: _InFlight, logits: torch.Tensor
