@@ -208,13 +208,13 @@ class EngineConfig:
         if self.compile_model and not self.shape_buckets:
             raise ValueError("compile_model needs shape_buckets: without them every step is a new shape to compile")
         supported = self.compile_model and _is_bridge_device(self.device)
+        speculating = bool(self.speculative_config or self.speculative_ngram)
         if self.async_scheduling is None:
-            self.async_scheduling = bool(supported) and self.tensor_parallel_size == 1 and not (
-                self.speculative_config or self.speculative_ngram)
+            self.async_scheduling = bool(supported) and self.tensor_parallel_size == 1 and not speculating
         elif self.async_scheduling:
             why = ("it needs the bridge's device with compile_model (a step the device runs while the host works)"
                    if not supported else "not with tensor_parallel_size > 1" if self.tensor_parallel_size > 1
-                   else "not with speculative decoding" if self.speculative_config or self.speculative_ngram else None)
+                   else "not with speculative decoding" if speculating else None)
             if why:
                 raise ValueError(f"async_scheduling: {why}")
         from torchbridge.serve.parallel import check_divisible

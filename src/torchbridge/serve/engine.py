@@ -21,7 +21,7 @@ from torchbridge.serve.kv_events import KVEventLog
 from torchbridge.serve.model_runner import ModelRunner, StepInput, plan
 from torchbridge.serve.sampler import NO_TOKEN, Sampled, Sampler, row_max, token_logprobs
 from torchbridge.serve.sampling_params import InvalidParam, SamplingParams
-from torchbridge.serve.scheduler import Batch, Scheduler
+from torchbridge.serve.scheduler import Batch, ScheduledSeq, Scheduler
 from torchbridge.serve.sequence import Sequence, Status
 from torchbridge.serve.spec_decode import SpecStats, eligible, make_proposer, rejection_sample
 from torchbridge.serve.tokenizer import tokenizer_of
@@ -237,18 +237,14 @@ class LLMEngine:
         try:
             logits, rows = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; the engine goes on
-            log.exception("model step failed; failing the %d request(s) in its batch", len(batch.items))
-            failed = {it.seq.request_id for it in batch.items}
-            return updates + [u for rid in failed for u in self.fail_request(rid, f"model step failed: {e}")]
+            return updates + self._fail_batch(batch, e)
         starts = [it.seq.num_computed_tokens for it in batch.items]  # (the first position fed, per item)
         new_tokens: dict[int, tuple[Sequence, list[int], list[dict]]] = {}
         plain: list[tuple[Sequence, int]] = []
         failed: dict[str, str] = {}
         for it, (row, count) in zip(batch.items, rows, strict=True):
             seq = it.seq
-            if seq.num_computed_tokens < seq.prompt_len:
-                self.stats.computed_prompt_tokens += min(it.num_tokens, seq.prompt_len - seq.num_computed_tokens)
-            seq.num_computed_tokens += it.num_tokens
+            self._count_computed(it)
             if count == 0:
                 self.block_manager.commit(seq)
             elif it.draft_tokens:
@@ -259,11 +255,9 @@ class LLMEngine:
                     failed[seq.request_id] = self._failure("verifying drafts", e)
             else:
                 plain.append((seq, row))
-        for (seq, _), s in zip(plain, self._sample(logits, plain), strict=True):
-            if isinstance(s, str):
-                failed[seq.request_id] = s
-            else:
-                new_tokens[seq.seq_id] = (seq, [s.token_id], [s.logprob] if s.logprob else [])
+        sampled, sample_failed = self._sample_tokens(logits, plain)
+        failed.update(sample_failed)
+        new_tokens.update((seq.seq_id, (seq, *sampled[seq.seq_id])) for seq, _ in plain if seq.seq_id in sampled)
         if self.proposer is not None and self.proposer.needs_hidden:
             self._record_hidden(batch, starts, new_tokens)
         for seq, toks, lps in new_tokens.values():
@@ -301,7 +295,9 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 # k was not launched: its sequences are scheduled again next step (their state is unchanged)
                 return updates + self._fail_batch(prev.batch, e)
-            sampled, failed = self._sample_async(prev, logits)
+            sampled, failed = self._sample_tokens(logits, [
+                (it.seq, row) for it, (row, count) in zip(prev.batch.items, prev.rows, strict=True)
+                if count and not it.seq.is_finished])  # (those that ended meanwhile: not sampled)
         if start is not None and inp is not None:
             updates += self._launch(batch, inp, start, sampled)
         if prev is not None:
@@ -333,9 +329,7 @@ class LLMEngine:
         for it in batch.items:
             seq = it.seq
             samples = it.samples  # (before the tokens count as computed)
-            if seq.num_computed_tokens < seq.prompt_len:
-                self.stats.computed_prompt_tokens += min(it.num_tokens, seq.prompt_len - seq.num_computed_tokens)
-            seq.num_computed_tokens += it.num_tokens
+            self._count_computed(it)
             if samples:
                 seq.num_pending += 1
                 out = seq.num_output_tokens + seq.num_pending
@@ -343,12 +337,17 @@ class LLMEngine:
         self._inflight = _InFlight(batch, wait, inp.rows)
         return []
 
-    def _sample_async(self, prev: _InFlight, logits: torch.Tensor
-                      ) -> tuple[dict[int, tuple[list[int], list[dict]]], dict[str, str]]:
-        """The tokens of a finished step's sampled rows, by sequence (those that ended meanwhile skipped),
-        and an error message per request whose sampling failed."""
-        plain = [(it.seq, row) for it, (row, count) in zip(prev.batch.items, prev.rows, strict=True)
-                 if count and not it.seq.is_finished]
+    def _count_computed(self, it: ScheduledSeq) -> None:
+        """A scheduled item's tokens are in the cache now (or will be, in the order the device runs steps)."""
+        seq = it.seq
+        if seq.num_computed_tokens < seq.prompt_len:
+            self.stats.computed_prompt_tokens += min(it.num_tokens, seq.prompt_len - seq.num_computed_tokens)
+        seq.num_computed_tokens += it.num_tokens
+
+    def _sample_tokens(self, logits: torch.Tensor, plain: list[tuple[Sequence, int]]
+                       ) -> tuple[dict[int, tuple[list[int], list[dict]]], dict[str, str]]:
+        """The sampled token (and its logprobs) of each plain row, by sequence id, and an error message per
+        request whose sampling failed."""
         sampled, failed = {}, {}
         for (seq, _), s in zip(plain, self._sample(logits, plain), strict=True):
             if isinstance(s, str):

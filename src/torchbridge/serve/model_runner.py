@@ -588,7 +588,7 @@ class ModelRunner:
 
     @property
     def launches(self) -> bool:
-        """Whether a step can run while the host schedules and prepares the next (`launch`): a replayed
+        """Whether a step can run while the host schedules and prepares the next (`stage`): a replayed
         compiled step, whose executable JAX dispatches without waiting for it."""
         return self._replays is not None and self.workers is None and not self.keep_hidden and not self.takes_features
 
