@@ -408,9 +408,11 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
     reqs, out_lens = make_requests(args.num_requests, args.input_len, args.output_len, args.seed, args.vocab)
     torch.set_num_threads(args.threads)
     result: dict = {}
-    if kind in ("ours", "ours-gather", "ours-untiled"):
+    if kind in ("ours", "ours-gather", "ours-untiled", "ours-unpaneled"):
         if kind == "ours-untiled":  # bf16 decode rows through oneDNN, not the AMX / AVX512-BF16 tile kernel
             os.environ["TORCHBRIDGE_SERVE_TILES"] = "0"
+        if kind == "ours-unpaneled":  # float32 linears through oneDNN's packed GEMM, not the panel kernel
+            os.environ["TORCHBRIDGE_SERVE_PANELS"] = "0"
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind != "ours-gather",
                                              dtype=args.dtype)
     elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync"):
@@ -442,7 +444,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
     return lines
 
 
-ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
+ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-unpaneled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
         "hf-batched", "hf-sequential", "vllm")
 
 

@@ -15,7 +15,7 @@
 - layer ops: `torchbridge_serve::swiglu` vs `F.silu(gate) * up` on the fused gate|up output's halves, and
   `torchbridge_serve::rotary_into_cache` vs `rotary` + the attention's two `index_copy_` calls into the
   paged cache, 1 to 512 rows of the bench and the bundled model's shapes;
-- panel linears (`--panels`, AVX2 CPUs without AVX-512): `torchbridge_serve::panel_linear` over weights in
+- panel linears (`--panels`, AVX2 or AVX-512 CPUs): `torchbridge_serve::panel_linear` over weights in
   `panel_layout` vs what `pack` gives the same layers otherwise (oneDNN's packed call in fp32; bf16 widened to
   float32 where oneDNN has no bf16 GEMM), the bench and the bundled model's five shapes summed, 1 to 1024 rows
   in cache and 1-8 rows cold (copies summing to > 64 MB);
@@ -24,7 +24,7 @@
 - device linears (the bridge's device over JAX's CPU platform, `--device-linears`): one compiled program of a
   model's 17 linears (4 layers and the LM head, bundled and bench model), the weights as nn.Linear holds them
   ([out, in], `F.linear`) vs as [in, out] (serve/linear.py `transpose`), 1 to 512 rows, float32;
-- device panels (`--device-panels`, AVX2 CPUs without AVX-512): the same programs, XLA's dot by the [in, out]
+- device panels (`--device-panels`, AVX2 or AVX-512 CPUs): the same programs, XLA's dot by the [in, out]
   weights vs the panel kernel by weights the kernel library holds (serve/linear.py `hold(panels=True)`), fp32
   and bf16 (widened).
 One torch thread (the serving bench's setting). Ratios are old / new time (> 1: the new path is faster).
@@ -341,11 +341,15 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False, tiles: 
     if not kind:
         print("neither AMX-BF16 nor AVX512-BF16 on this CPU: the tile-linears part is not run")
     parts += tile_part
-    panel_part = [("panel linears", panel_cases, (torch.float32, torch.bfloat16))]
+    from torchbridge.serve.linear import packing_supported
+
+    # bf16 layers take panels only where oneDNN has no bf16 GEMM here (serve/linear.py `pack`).
+    panel_dtypes = (torch.float32,) + (() if packing_supported(torch.bfloat16) else (torch.bfloat16,))
+    panel_part = [("panel linears", panel_cases, panel_dtypes)]
     if cpu_kernels.panel_linear_available():
         parts += panel_part
     else:
-        print("not an AVX2 CPU without AVX-512: the panel-linears part is not run")
+        print("neither AVX2/FMA nor AVX-512 on this CPU: the panel-linears part is not run")
     if panels:
         parts = panel_part
     if tiles:
@@ -353,8 +357,8 @@ def run(rounds: int, device_linears: bool = False, greedy: bool = False, tiles: 
     if device_linears:
         parts = [("device linears", device_linear_cases, (torch.float32,))]
     if device_panels:
-        assert cpu_kernels.panel_linear_available(), "the panel kernel is built only for AVX2 CPUs without AVX-512"
-        parts = [("device panels", device_panel_cases, (torch.float32, torch.bfloat16))]
+        assert cpu_kernels.panel_linear_available(), "the panel kernel is built only for AVX2/FMA or AVX-512 CPUs"
+        parts = [("device panels", device_panel_cases, panel_dtypes)]
     if greedy:
         parts = [("greedy sampling", greedy_cases, (torch.float32,))]
     if layer_ops:
@@ -399,9 +403,9 @@ def main() -> None:
                       help="only the device-linears part: [out, in] vs [in, out] weights in a compiled program")
     only.add_argument("--greedy", action="store_true", help="only the greedy-sampling part")
     only.add_argument("--tiles", action="store_true", help="only the tile-linears part (AMX or AVX512-BF16)")
-    only.add_argument("--panels", action="store_true", help="only the panel-linears part (AVX2, no AVX-512)")
+    only.add_argument("--panels", action="store_true", help="only the panel-linears part (AVX2 or AVX-512)")
     only.add_argument("--device-panels", action="store_true",
-                      help="only the device-panels part: XLA's dot vs weights held as panels (AVX2, no AVX-512)")
+                      help="only the device-panels part: XLA's dot vs weights held as panels (AVX2 or AVX-512)")
     only.add_argument("--layer-ops", action="store_true", help="only the layer-ops part (swiglu, rotary + cache write)")
     only.add_argument("--attention-loops", action="store_true",
                       help="only decode attention's portable loops vs its vector ones (AVX-512 or AVX2)")

@@ -207,10 +207,9 @@ def test_16bit_linears_multiply_float32_weights_on_the_cpu_platform(llama_dir: P
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
-def test_linears_run_the_panel_kernel_on_avx2_and_can_be_switched_off(llama_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an AVX2 CPU without AVX-512 the engine on the device holds every linear as panels for the CPU kernels'
-    float32 kernel, called inside the compiled step for decode rows (serve/linear.py `hold(panels=True)`);
+def test_linears_run_the_panel_kernel_and_can_be_switched_off(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the panel kernel builds (AVX2 or AVX-512) the engine on the device holds every float32 linear as
+    panels for the CPU kernels' float32 kernel, called inside the compiled step for decode rows (serve/linear.py `hold(panels=True)`);
     greedy tokens against HF are test_greedy_on_device_matches_hf_generate_on_cpu's, which runs through it
     here. TORCHBRIDGE_SERVE_PANELS=0 keeps every product in XLA."""
     import torch
@@ -220,7 +219,7 @@ def test_linears_run_the_panel_kernel_on_avx2_and_can_be_switched_off(llama_dir:
     from torchbridge.serve.linear import HELD_PANEL_MAX_ROWS, Linear
 
     if STATE.platform != "cpu" or cpu_kernels.available() is not None or not cpu_kernels.panel_linear_available():
-        pytest.skip("the panel kernel is built only for AVX2 CPUs without AVX-512, for JAX's CPU platform")
+        pytest.skip("the panel kernel is built only for AVX2/FMA or AVX-512 CPUs, for JAX's CPU platform")
     kw = dict(device=DEV, block_size=16, num_blocks=24, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=32)
 
     def held_rows(llm: LLM) -> set:

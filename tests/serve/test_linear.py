@@ -211,7 +211,7 @@ def test_tiles_are_the_engines_bf16_default_and_can_be_switched_off(llama_dir, m
     assert not any(tiled(LLM(str(llama_dir), **kw)))
 
 
-# ---- float32 products from the panel layout on AVX2 CPUs without AVX-512 (serve/csrc/panel_linear.cpp) -----
+# ---- float32 products from the panel layout on AVX2/FMA and AVX-512 CPUs (serve/csrc/panel_linear.cpp) -----
 
 
 def _panels_or_skip():  # noqa: ANN202
@@ -220,17 +220,19 @@ def _panels_or_skip():  # noqa: ANN202
     if cpu_kernels.available() is not None:
         pytest.skip(f"the engine's CPU kernels do not build here: {cpu_kernels.available()}")
     if not cpu_kernels.panel_linear_available():
-        pytest.skip("the panel kernel is built only for AVX2 CPUs without AVX-512 (this CPU has AVX-512 or no AVX2)")
+        pytest.skip("the panel kernel is built only for CPUs with AVX2/FMA or AVX-512 (this one has neither)")
     return cpu_kernels.panel_linear
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 32, 45])
-@pytest.mark.parametrize("n,k,bias", [(48, 32, True), (50, 32, False), (1536, 512, False), (33, 4100, True)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 25, 32, 45])
+@pytest.mark.parametrize("n,k,bias", [(16, 32, False), (48, 32, True), (50, 32, False), (1536, 512, False),
+                                      (33, 4100, True)])
 def test_panel_kernel_matches_float64_reference(rows: int, n: int, k: int, bias: bool) -> None:
     """float32 accumulation: within float32's error for k terms of the float64 product. Rows cover every block
-    size (1-6 rows) and the even split of 7, 13, 32 and 45 rows; outputs a whole panel, a partial last panel
-    (50, 33) and many panels; 4100 inputs, more than one pass over a panel (2048 per pass). A wrong layout,
-    row split or tail is off by O(1)."""
+    size of both forms (1-6 rows for AVX2, 1-12 for AVX-512) and the even splits of 7, 13, 25, 32 and 45 rows;
+    outputs one panel, an odd count of whole panels (48: a pair and one alone on AVX-512), a partial last panel
+    in a pair (50) and alone (33), many panels; 4100 inputs, more than one pass over a panel (2048 per pass).
+    A wrong layout, row split, pairing or tail is off by O(1)."""
     kernel = _panels_or_skip()
     from torchbridge.serve.linear import panel_layout
 

@@ -9,8 +9,9 @@ so the model calls either through the same lines. `amx_linear` (serve/csrc/amx_l
 linear layer's few decode rows on Intel AMX where the CPU has it, `avx512bf16_linear`
 (serve/csrc/avx512bf16_linear.cpp) the same product from the same weight layout with AVX512-BF16 where it
 has that and no AMX (serve/linear.py). `panel_linear` (serve/csrc/panel_linear.cpp) runs float32 linear layers
-(and 16-bit ones widened to float32) at every row count on AVX2 CPUs without AVX-512, from weights in
-`panel_layout`, where oneDNN's fp32 kernels reached 28-76% of the core's FMA rate. `hold_packed_weight` /
+(and 16-bit ones widened to float32) at every row count on AVX2 and AVX-512 CPUs, from weights in
+`panel_layout`, where oneDNN's fp32 kernels reached 28-76% of the core's FMA rate at a decode step's rows
+(Zen 3; 12-90% on a Zen 4). `hold_packed_weight` /
 `held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight (or, `hold_panel_weight`, its
 panels) in the library under a key, for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
 (serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
@@ -166,7 +167,7 @@ def avx512bf16_linear(x: torch.Tensor, w_tiles: torch.Tensor, bias: torch.Tensor
 
 
 def panel_linear_available() -> bool:
-    """Whether `panel_linear` runs here: the kernels are loaded and were built for an AVX2 CPU without AVX-512."""
+    """Whether `panel_linear` runs here: the kernels are loaded and were built for a CPU with AVX2/FMA or AVX-512."""
     return available() is None and bool(torch.ops.torchbridge_serve.panel_linear_available())
 
 

@@ -43,8 +43,9 @@ bundled model's 17 products at 2 rows took 0.72 ms against 0.35 ms, 1.3-2x from 
 of the bundled model spent 0.78 ms in its products instead of 1.56 (an XLA trace; 2026-12-04, AMD EPYC Zen 5).
 A tied LM head keeps the embedding's [vocab, hidden] table as well as its own [hidden, vocab] copy.
 
-On an AVX2 CPU without AVX-512, oneDNN's fp32 kernels left much of the core unused (one thread of an AMD EPYC
-Zen 3: 6-19 GFLOP/s at 1-4 rows, 28-57 at 8-32, 61-76 from 64 rows, of ~90), so `pack(model, panels=True)` lays
+oneDNN's fp32 kernels leave much of the core unused at a decode step's rows (one thread of an AMD EPYC Zen 3,
+AVX2: 6-19 GFLOP/s at 1-4 rows, 28-57 at 8-32, 61-76 from 64 rows, of ~90; a Zen 4, AVX-512: 13-31 at one row,
+60-90 at 8-32, of ~105), so where the kernel builds (AVX2 or AVX-512) `pack(model, panels=True)` lays
 each float32 layer (and each 16-bit one it would widen) out as panels of 16 outputs (`panel_layout`) instead,
 and every call runs the engine's own kernel over them (serve/csrc/panel_linear.cpp; `Linear.panels`): one
 copy of the weight, no oneDNN packing.
@@ -58,8 +59,8 @@ and calls of `HELD_MIN_ROWS` rows or more go to it by its key (`torch.ops.torchb
 custom call inside the compiled step); fewer rows keep the float32 [in, out] weight. Such a layer holds
 its weight in 16 bits (packed) as well as in float32.
 
-On an AVX2 CPU without AVX-512 there is no oneDNN 16-bit GEMM to hold, and XLA's float32 dot, like oneDNN's,
-leaves much of the core idle at a decode step's rows: `hold(model, panels=True)` hands every float layer to
+XLA's float32 dot, like oneDNN's, leaves much of the core idle at a decode step's rows: `hold(model,
+panels=True)` hands every float32 layer, and each 16-bit one oneDNN does not multiply here (AVX2 CPUs), to
 the library as panels instead (`hold_panel_weight`), and calls of up to `HELD_PANEL_MAX_ROWS` rows run the
 panel kernel inside the compiled step (16-bit x widened to float32, the result rounded once: XLA's products).
 Larger calls keep XLA's dot by the [in, out] weight, so such a layer holds its weight twice in float32.
@@ -116,7 +117,8 @@ class Linear(nn.Linear):
 HELD_MIN_ROWS = 4
 # Calls of up to this many rows go to a weight held as panels: in a compiled program of a model's 17 linears
 # it was 1.04-1.78x XLA's float32 dot by the [in, out] weight at 1-32 rows, and 0.86-1.24x at 128-512 (AMD EPYC
-# Zen 3, bench/bench_serve_kernels.py --device-panels, docs/benchmarks/serve_kernels_device_panels_avx2.md).
+# Zen 3, bench/bench_serve_kernels.py --device-panels, docs/benchmarks/serve_kernels_device_panels_avx2.md);
+# on a Zen 4 (AVX-512) float32 1.26-2.21x at 1-32 rows, 0.99-1.06x at 128-512 (serve_kernels_device_panels_zen4.md).
 HELD_PANEL_MAX_ROWS = 32
 # Above this many rows oneDNN's blocked GEMM catches up with the AMX kernel's one pass per 32 columns
 # (alternated microbench: 1.2-4.7x at 1-32 rows, 0.9-1.2x at 48-64, 0.56-0.98x at 128-512).
@@ -214,7 +216,8 @@ def hold(model: nn.Module, panels: bool = False) -> int:
     """Hand every 16-bit `Linear` of `model` (on a device other than the CPU, a dtype oneDNN packs here) to the
     engine's kernel library, packed (`Linear.held`; its kernels loaded); returns how many. For the bridge's
     device over JAX's CPU platform, whose compiler has no 16-bit GEMM. The layer keeps its weight too.
-    `panels` (where the CPU kernels' `panel_linear_available()`): every float `Linear` is held in
+    `panels` (where the CPU kernels' `panel_linear_available()`): every float32 `Linear`, and each 16-bit one
+    oneDNN does not multiply here, is held in
     `panel_layout` instead, for the library's float32 kernel, up to `HELD_PANEL_MAX_ROWS` rows."""
     from torchbridge.kernels import held_linear  # noqa: F401 - registers torch.ops.torchbridge.held_linear
     from torchbridge.serve import cpu_kernels
@@ -223,7 +226,10 @@ def hold(model: nn.Module, panels: bool = False) -> int:
     for m in model.modules():
         if not isinstance(m, Linear) or m.weight.device.type == "cpu":
             continue
-        as_panels = panels and m.weight.is_floating_point()
+        # 16-bit layers go to panels only where oneDNN has no 16-bit GEMM here (AVX2 CPUs): elsewhere its
+        # packed call is the faster one from a few rows up.
+        as_panels = panels and (m.weight.dtype == torch.float32
+                                or (m.weight.dtype in _HALF and not packing_supported(m.weight.dtype)))
         if not as_panels and not (m.weight.dtype in _HALF and packing_supported(m.weight.dtype)):
             continue
         w, bias = m.weight.detach().cpu(), None if m.bias is None else m.bias.detach().cpu()

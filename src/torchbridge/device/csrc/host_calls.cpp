@@ -366,7 +366,7 @@ ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
 // torchbridge_serve::held_linear), by the key the engine gave it: x [M, K], out [M, N], of one dtype.
 // Pre-packed for oneDNN (bf16/fp16 x): XLA:CPU would multiply 16-bit floats in float32; oneDNN's packed
 // 16-bit GEMM reads half the weight bytes and, with AVX512-BF16 or AMX, multiplies in bf16. In panels
-// (float32, bf16 or fp16 x; AVX2 CPUs without AVX-512): the library's own float32 kernel.
+// (float32 x, and 16-bit x where oneDNN has no 16-bit GEMM; AVX2 or AVX-512 CPUs): the library's own float32 kernel.
 ffi::Error held_linear(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t key) {
   at::ScalarType st;
   if (!to_scalar_type(x.element_type(), {at::kFloat, at::kBFloat16, at::kHalf}, &st) ||

@@ -7,9 +7,9 @@
 // library once (`hold_packed_weight`, under a key derived from the weight's contents) and the device's
 // custom call (device/csrc/host_calls.cpp) calls `held_linear` with that key and its input's buffer.
 //
-// On an AVX2 CPU without AVX-512 the library holds float32 weights in the panel layout of its own kernel
-// instead (`hold_panel_weight`, serve/csrc/panel_linear.cpp): there oneDNN has no 16-bit GEMM and its float32
-// one, like XLA:CPU's dot, leaves much of the core idle at a decode step's rows. A held weight is either form;
+// Float32 weights (and, on AVX2 CPUs without a oneDNN 16-bit GEMM, 16-bit ones) it holds in the panel layout
+// of its own kernel instead (`hold_panel_weight`, serve/csrc/panel_linear.cpp): oneDNN's float32 GEMM, like
+// XLA:CPU's dot, leaves much of the core idle at a decode step's rows. A held weight is either form;
 // `held_linear` multiplies by whichever the key names, x in float32 or 16 bits (widened, rounded once).
 
 #include <ATen/ATen.h>
