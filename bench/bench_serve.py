@@ -415,8 +415,11 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
             os.environ["TORCHBRIDGE_SERVE_PANELS"] = "0"
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind != "ours-gather",
                                              dtype=args.dtype)
-    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync"):
+    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync", "ours-tpu-padded"):
         import torchbridge
+
+        if kind == "ours-tpu-padded":  # fresh prompts padded into the masked group, not packed per span
+            os.environ["TORCHBRIDGE_SERVE_FRESH_PREFILL"] = "0"
 
         if kind == "ours-tpu-unheld":  # every product in XLA, none through held weights (oneDNN 16-bit or panels)
             os.environ["TORCHBRIDGE_SERVE_HELD"] = "0"
@@ -445,7 +448,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
 
 
 ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-unpaneled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
-        "hf-batched", "hf-sequential", "vllm")
+        "ours-tpu-padded", "hf-batched", "hf-sequential", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:

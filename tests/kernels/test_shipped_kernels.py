@@ -212,3 +212,63 @@ def test_paged_attention_on_the_cpu_platform_runs_the_engines_decode_kernel(monk
         g = jax.grad(lambda q, k, v, f=f: (f(q, k, v, arrays[3], arrays[4], 0.2) * w).sum(), argnums=(0, 1, 2))(*arrays[:3])
         for a, b in zip(g, got, strict=True):
             np.testing.assert_allclose(np.asarray(a), b.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per span: causal SDPA over its rows with GQA heads repeated (fp32); zeros outside every span."""
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for first, count in spans.tolist():
+        if count:
+            rows = slice(first, first + count)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].float().transpose(0, 1), k[rows].float().transpose(0, 1).repeat_interleave(g, 0),
+                v[rows].float().transpose(0, 1).repeat_interleave(g, 0), is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["reference", "engine-kernel"])
+def test_prefill_attention_matches_pytorch_per_span(host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh prompts' packed causal attention on the device: the jnp reference, and on JAX's CPU platform with the
+    engine's CPU kernels loaded the engine's C++ kernel as a custom call; fp32 and bf16, eager and inside a
+    compiled graph, a padding span and rows of no span (zeros); gradients (the reference's) as PyTorch's."""
+    from torchbridge.device import host_calls
+    from torchbridge.device.runtime import STATE
+    from torchbridge.kernels import prefill_attention
+
+    calls: list[str] = []
+    if host:
+        from torchbridge.serve import cpu_kernels
+
+        if STATE.platform != "cpu":
+            pytest.skip(f"the custom call exists on JAX's CPU platform only (this device runs on {STATE.platform})")
+        if (why := cpu_kernels.available()) is not None:
+            pytest.skip(f"the engine's CPU kernels do not build here: {why}")
+        host_calls.use_paged_decode()  # what the engine does once it has loaded them
+    else:
+        monkeypatch.setattr(host_calls, "prefill_attention_enabled", lambda: False)
+    real = host_calls.prefill_attention
+    monkeypatch.setattr(host_calls, "prefill_attention", lambda *a, **kw: calls.append(str(a[0].dtype)) or real(*a, **kw))
+    spans = torch.tensor([[1, 6], [7, 0], [9, 13], [0, 0]])  # rows 0, 7, 8 and 22 on in no span
+    n = 26 if host else 25  # (a kernel's program is kept per shape: each case its own trace)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(6)
+        cpu = (_g(n, 4, 16, dtype=dtype), _g(n, 2, 16, dtype=dtype), _g(n, 2, 16, dtype=dtype))
+        want = _prefill_torch(*cpu, spans, 0.3)
+        dev = [t.to(DEV) for t in cpu] + [spans.to(DEV)]
+        _close(prefill_attention.prefill_attention(*dev, 0.3), want, dtype)
+        got = torch.compile(lambda *a: prefill_attention.prefill_attention(*a, 0.3) * 2, backend=DEV)(*dev)
+        _close(got, want * 2, dtype)
+    assert set(calls) >= {"float32", "bfloat16"} if host else not calls, calls
+    torch.manual_seed(7)
+    cpu = (_g(n, 4, 16, dtype=torch.float32), _g(n, 2, 16, dtype=torch.float32), _g(n, 2, 16, dtype=torch.float32))
+    weights = torch.randn(n, 4, 16)
+
+    def grads(fn: Callable, tensors: list[torch.Tensor], s: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        (fn(*leaves, s) * weights.to(leaves[0].device)).sum().backward()
+        return [leaf.grad.cpu() for leaf in leaves]
+
+    got = grads(lambda *a: prefill_attention.prefill_attention(*a, 0.3), [t.to(DEV) for t in cpu], spans.to(DEV))
+    for g, w in zip(got, grads(lambda *a: _prefill_torch(*a, 0.3), list(cpu), spans), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

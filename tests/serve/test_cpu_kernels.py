@@ -1,4 +1,6 @@
-"""The engine's CPU decode kernel (serve/csrc/paged_attention.cpp) against PyTorch's own attention.
+"""The engine's CPU kernels against PyTorch's own ops: the decode kernel (serve/csrc/paged_attention.cpp) and
+the fresh prompts' prefill attention (serve/csrc/prefill_attention.cpp) against `F.scaled_dot_product_attention`,
+the pointwise kernels against Hugging Face's modules, greedy argmax against `torch.max`.
 
 The reference gathers each row's context out of the pool with plain indexing and runs
 `F.scaled_dot_product_attention` in fp32 with an explicit mask: nothing of the kernel's own code."""
@@ -128,7 +130,7 @@ def test_a_few_queries_per_sequence_attend_as_kernel_rows(tmp_path) -> None:
     kernel = [g for g in first if isinstance(g, PagedDecodeGroup)]
     assert len(kernel) == 1 and kernel[0].context_lens.tolist() == [1, 2, 3] + list(range(1, 9))
     fresh = [g for g in first if isinstance(g, FreshPrefillGroup)]
-    assert len(fresh) == 1 and fresh[0].spans == [(11, 16)] and len(prompts[2]) > KERNEL_MAX_QUERIES
+    assert len(fresh) == 1 and fresh[0].spans.tolist() == [[11, 16]] and len(prompts[2]) > KERNEL_MAX_QUERIES
     assert not any(isinstance(g, AttentionGroup) for g in first)
     assert all(isinstance(g, PagedDecodeGroup) for inp in steps[1:] for g in inp.meta.groups)
 
@@ -155,10 +157,66 @@ def test_prompts_from_their_first_token_attend_unpadded(tmp_path, family: str) -
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 8) for p in prompts]
     spans = [span for inp in steps for grp in inp.meta.groups if isinstance(grp, FreshPrefillGroup)
-             for span in grp.spans]
+             for span in grp.spans.tolist()]
     gathered = [grp for inp in steps for grp in inp.meta.groups if isinstance(grp, AttentionGroup)]
     assert spans and gathered  # the 100-token prompt's later chunks (after 48 tokens a step) are gathered
     assert all(window is None or count <= window for _, count in spans)
+
+
+# ---- fresh prompts' packed causal attention (serve/csrc/prefill_attention.cpp) --------------------------
+
+
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                      scale: float) -> torch.Tensor:
+    """Per span: fp32 SDPA with an explicit lower-triangular mask, KV heads repeated for GQA; zeros elsewhere."""
+    out = torch.zeros(q.shape)
+    g = q.shape[1] // k.shape[1]
+    for first, count in spans:
+        if count == 0:
+            continue
+        rows = slice(first, first + count)
+        causal = torch.ones(count, count, dtype=torch.bool).tril()
+        o = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1),
+                                           k[rows].float().transpose(0, 1).repeat_interleave(g, 0),
+                                           v[rows].float().transpose(0, 1).repeat_interleave(g, 0),
+                                           attn_mask=causal, scale=scale)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 32), (6, 3, 24)])
+def test_prefill_attention_matches_sdpa_per_span(dtype: torch.dtype, atol: float, heads: int, kv_heads: int,
+                                                 head_dim: int) -> None:
+    """Spans of 1 to 300 rows (past the flash kernel's blocks), with gaps between them (rows of no span: zeros),
+    padding spans (count 0) among them, and q as a slice of a wider q|k|v buffer (rows at a stride)."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    spans = [(2, 1), (3, 0), (5, 300), (305, 17), (0, 0), (330, 44)]
+    n = 380
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(n, kv_heads, head_dim)
+    got = cpu_kernels.prefill_attention(q, k, v, torch.tensor(spans), 0.125)
+    assert got.dtype == dtype and got.shape == (n, heads, head_dim)
+    torch.testing.assert_close(got.float(), prefill_reference(q, k, v, spans, 0.125), atol=atol, rtol=atol)
+    assert (got[:2] == 0).all() and (got[322:330] == 0).all() and (got[374:] == 0).all()
+
+
+def test_prefill_attention_refuses_bad_input_by_name() -> None:
+    op = torch.ops.torchbridge_serve.prefill_attention.default
+    q, kv = torch.zeros(10, 4, 8), torch.zeros(10, 2, 8)
+    out = torch.empty(10, 4, 8)
+    with pytest.raises(RuntimeError, match=r"prefill_attention: span 1 \(first 3, count 4\) is not inside rows \[5, 10\)"):
+        op(out, q, kv, kv, torch.tensor([[0, 5], [3, 4]]), 1.0)  # overlapping spans
+    with pytest.raises(RuntimeError, match=r"span 0 \(first 8, count 4\) is not inside rows \[0, 10\)"):
+        op(out, q, kv, kv, torch.tensor([[8, 4]]), 1.0)  # past the last row
+    with pytest.raises(RuntimeError, match="spans must be int64 \\[S, 2\\]"):
+        op(out, q, kv, kv, torch.tensor([[0, 5]], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="query heads a multiple of kv_heads"):
+        op(out, q, torch.zeros(10, 3, 8), torch.zeros(10, 3, 8), torch.tensor([[0, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(out, q, kv.bfloat16(), kv.bfloat16(), torch.tensor([[0, 5]]), 1.0)
 
 
 # ---- RMSNorm and rotary (serve/csrc/pointwise.cpp) against Hugging Face's own modules ----------------

@@ -46,8 +46,9 @@ _ADAM = "torchbridge_adam_step"
 _ADAGRAD = "torchbridge_adagrad_step"
 _PAGED_DECODE = "torchbridge_paged_decode"
 _HELD_LINEAR = "torchbridge_held_linear"
+_PREFILL = "torchbridge_prefill_attention"
 # every custom call we register
-TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD, _PAGED_DECODE, _HELD_LINEAR)
+TARGETS = (_TARGET, _FENCE, _ATTENTION, _ATTENTION_BACKWARD, _ADAM, _ADAGRAD, _PAGED_DECODE, _HELD_LINEAR, _PREFILL)
 # Parameters from this many elements get the one-pass Adam update; a bias or a norm's weight is
 # cheaper as XLA's own loops than as one more custom call.
 ADAM_MIN_ELEMENTS = 1 << 14
@@ -92,6 +93,7 @@ def register(native_module: Any) -> None:
         jax.ffi.register_ffi_target(_ADAGRAD, native_module.adagrad_step_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_PAGED_DECODE, native_module.paged_decode_capsule(), platform="cpu")
         jax.ffi.register_ffi_target(_HELD_LINEAR, native_module.held_linear_capsule(), platform="cpu")
+        jax.ffi.register_ffi_target(_PREFILL, native_module.prefill_attention_capsule(), platform="cpu")
         _registered = True
 
 
@@ -121,18 +123,20 @@ def switches() -> tuple[bool, bool, bool]:
     return enabled(), gemm_enabled(), paged_decode_enabled()
 
 
-_PAGED_DECODE_OP = "torchbridge_serve::paged_decode_attention"
+_SERVE_OPS = ("torchbridge_serve::paged_decode_attention", "torchbridge_serve::prefill_attention")
 _paged_decode_loaded = False
 
 
 def use_paged_decode() -> None:
     """Say that the serving engine's CPU kernel library is loaded (the engine does, when it runs on this
     device over the CPU platform; the device never imports the engine): decode attention over a paged
-    cache then goes to its kernel (`paged_decode`). Asked of the dispatcher here, once, not at every
-    compiled call (`switches()` is part of every call's key: a failed lookup there cost ~38 us a call)."""
+    cache then goes to its kernel (`paged_decode`), and fresh prompts' attention to its prefill kernel
+    (`prefill_attention`). Asked of the dispatcher here, once, not at every compiled call (`switches()` is
+    part of every call's key: a failed lookup there cost ~38 us a call)."""
     global _paged_decode_loaded
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(_PAGED_DECODE_OP, "CPU"):
-        raise RuntimeError(f"{_PAGED_DECODE_OP} has no CPU kernel: load the engine's CPU kernels first")
+    for op in _SERVE_OPS:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"):
+            raise RuntimeError(f"{op} has no CPU kernel: load the engine's CPU kernels first")
     _paged_decode_loaded = True
 
 
@@ -148,6 +152,19 @@ def paged_decode(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_
     and context lengths [R] (int32/int64). Each row reads its blocks in place, up to its own length."""
     return jax.ffi.ffi_call(_PAGED_DECODE, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, block_tables, context_lens, scale=float(scale))
+
+
+def prefill_attention_enabled() -> bool:
+    """Whether fresh prompts' packed causal attention goes to the serving engine's CPU kernel (as
+    `paged_decode_enabled`: the same library)."""
+    return paged_decode_enabled()
+
+
+def prefill_attention(q: Any, k: Any, v: Any, spans: Any, scale: float) -> Any:
+    """The engine's packed causal attention of fresh prompts (serve/csrc/prefill_attention.cpp) as a custom
+    call: q [N,H,D], k and v [N,KVH,D] of one float dtype, spans [S,2] int64 (first row, row count; 0: padding).
+    Each span attends over its own rows, causally; rows outside every span are zeros."""
+    return jax.ffi.ffi_call(_PREFILL, jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v, spans, scale=float(scale))
 
 
 def held_linear(x: Any, key: int, out_features: int) -> Any:

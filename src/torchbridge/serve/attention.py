@@ -18,7 +18,8 @@ The paged cache stays the source of truth (prefix caching, preemption, chunks al
 On the CPU the engine's C++ decode kernel (serve/cpu_kernels.py) replaces both: a `PagedDecodeGroup`'s
 rows read their keys and values from the pool in place, each only up to its own length. There, too,
 prompts computed from their first token form a `FreshPrefillGroup`: each attends over its own new keys
-and values (nothing is in the cache before them), one causal call per prompt, unpadded.
+and values (nothing is in the cache before them), one causal call per prompt, unpadded; on the bridge's
+device over JAX's CPU platform as well, through the same kernel as a custom call.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ class PagedDecodeGroup:
 
 @dataclass
 class FreshPrefillGroup:
-    """Prompts computed from their first token (no context in the cache before this step), on the CPU: each
-    attends causally over its own new keys and values alone, with no gather from the cache, no mask and no
-    padding to the group's longest prompt."""
+    """Prompts computed from their first token (no context in the cache before this step): each attends
+    causally over its own new keys and values alone, with no gather from the cache, no mask and no padding
+    to the group's longest prompt (the CPU kernels' `prefill_attention`; on the bridge's device its custom
+    call, kernels/prefill_attention.py, with a bucketed count of spans)."""
 
-    spans: list[tuple[int, int]]  # (first flat token, token count) of each prompt
+    spans: torch.Tensor  # [S, 2] int64 (first flat token, token count) of each prompt, in order; count 0: padding
 
 
 @dataclass
@@ -187,6 +189,21 @@ def _workspace_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: W
     out.index_copy_(0, g.query_index, o.reshape(r, num_heads * head_dim))
 
 
+def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: FreshPrefillGroup, scale: float,
+                        out: torch.Tensor) -> None:
+    """A `FreshPrefillGroup` without the kernel: one causal SDPA call per prompt (its spans read on the host)."""
+    num_heads, head_dim = q.shape[1:]
+    for first, count in g.spans.tolist():
+        if count == 0:
+            continue
+        span = slice(first, first + count)
+        # 4-d: SDPA takes 3-d inputs to its math path (bmm, softmax), not the CPU flash kernel
+        o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], k[span].transpose(0, 1)[None],
+                                           v[span].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           enable_gqa=num_heads != k.shape[1])  # [1, H, count, D]
+        out[span] = o[0].transpose(0, 1).reshape(count, num_heads * head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,12 +215,15 @@ def paged_attention(
     layer: int = 0,
     decode_kernel: Any = None,
     cached: bool = False,
+    prefill_kernel: Any = None,
 ) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D]. Writes k, v into the cache and returns [N, H * D].
     `layer` picks the layer's buffers of a decode workspace. `decode_kernel`: the shipped paged-
     attention kernel (torchbridge.kernels), used for decode groups (one query per row): it reads the
     blocks in place instead of gathering them, and needs each row's keys to be [0, context length).
-    `cached`: k and v are in the cache already (the CPU kernels' `rotary_into_cache` wrote them)."""
+    `cached`: k and v are in the cache already (the CPU kernels' `rotary_into_cache` wrote them).
+    `prefill_kernel`: `prefill_attention(q, k, v, spans, scale)` for a `FreshPrefillGroup` (the CPU kernels', or
+    the device's shipped one); without it such a group runs one SDPA call per prompt (spans on the host)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if not cached:
@@ -218,19 +238,21 @@ def paged_attention(
 
         o = paged_decode_attention(q, k_cache, v_cache, g0.block_tables, g0.context_lens, scale, g0.window)
         return o.view(n, num_heads * head_dim)
-    out = q.new_zeros(n + 1, num_heads * head_dim)
+    # Fresh prompts first: the kernel returns every row (zeros outside its spans), which the other groups'
+    # results then go into. One causal call per prompt: a masked call over the group padded every prompt to
+    # the longest one's length and computed every padded score (SDPA's CPU kernel skips only what is_causal says).
+    fresh = next((g for g in meta.groups if isinstance(g, FreshPrefillGroup)), None)
+    if fresh is not None and prefill_kernel is not None:
+        o = prefill_kernel(q, k, v, fresh.spans, scale).reshape(n, num_heads * head_dim)
+        if len(meta.groups) == 1:
+            return o
+        out = torch.cat([o, o.new_zeros(1, num_heads * head_dim)])
+    else:
+        out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
         if isinstance(g, FreshPrefillGroup):
-            # One causal call per prompt: a masked call over the group padded every prompt to the longest
-            # one's length and computed every padded score (SDPA's CPU kernel skips only what is_causal says).
-            gqa = num_heads != num_kv_heads
-            for first, count in g.spans:
-                span = slice(first, first + count)
-                # 4-d: SDPA takes 3-d inputs to its math path (bmm, softmax), not the CPU flash kernel
-                o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], k[span].transpose(0, 1)[None],
-                                                   v[span].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)  # [1, H, count, D]
-                out[span] = o[0].transpose(0, 1).reshape(count, num_heads * head_dim)
+            if prefill_kernel is None:
+                _fresh_prefill_sdpa(q, k, v, g, scale, out)
             continue
         if isinstance(g, WorkspaceGroup):
             _workspace_attention(q, k, v, g, layer, out, scale)

@@ -14,7 +14,8 @@ has that and no AMX (serve/linear.py). `panel_linear` (serve/csrc/panel_linear.c
 (Zen 3; 12-90% on a Zen 4). `hold_packed_weight` /
 `held_linear` (serve/csrc/held_linear.cpp) keep a layer's oneDNN-packed weight (or, `hold_panel_weight`, its
 panels) in the library under a key, for the engine on the bridge's device, whose compiled step calls it by that key. `row_argmax`
-(serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. They are compiled for
+(serve/csrc/argmax.cpp) is greedy sampling's maximum and its index per row. `prefill_attention`
+(serve/csrc/prefill_attention.cpp) is the causal attention of a step's fresh prompts, packed, one span each. They are compiled for
 this CPU (-march=native; the CPU's flags are part of the build's key), on first use (~20 s on 2 cores).
 Where no C++ compiler works, `available()` says why and the engine runs the plain torch ops and decodes
 through its workspace.
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "pointwise.cpp", "amx_linear.cpp",
-                                      "avx512bf16_linear.cpp", "panel_linear.cpp", "held_linear.cpp", "argmax.cpp")]
+                                      "avx512bf16_linear.cpp", "panel_linear.cpp", "held_linear.cpp", "argmax.cpp",
+                                      "prefill_attention.cpp")]
 _HEADERS = [_CSRC / "widen.h", _CSRC / "exp16.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _state: dict[str, object] = {}
@@ -63,6 +65,17 @@ def available() -> str | None:
 def loaded() -> bool:
     """Whether the kernels are loaded already (never builds them: for callers that only use them if so)."""
     return _state.get("error", "") is None
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of each span of rows over its own keys and values (prompts from their first token).
+
+    q: [N, H, D], k, v: [N, KVH, D] (rows at any stride); spans: [S, 2] int64 (first row, row count), in order and
+    disjoint, count 0 for padding. Returns [N, H, D] in q's dtype; rows outside every span are zeros."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    torch.ops.torchbridge_serve.prefill_attention.default(out, q, k, v, spans, scale)
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

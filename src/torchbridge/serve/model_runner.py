@@ -66,6 +66,9 @@ MIN_BUCKET = 2
 # (reading the paged cache in place), instead of gathering its context for SDPA: single-user speculative
 # verify steps (k + 1 tokens) on the bundled model spent most of their attention time in that gather.
 KERNEL_MAX_QUERIES = 8
+# The smallest bucket of fresh prompts in a device step (attention.FreshPrefillGroup): a padding span costs
+# nothing, and one bucket for 1-16 prompts keeps one compiled program per token bucket where it is met.
+FRESH_MIN_SPANS = 16
 
 
 @dataclass
@@ -80,7 +83,7 @@ class PlannedSeq:
 
 
 StepPlan = list[PlannedSeq]
-Shape = tuple[str, int, int]  # a warm-up bucket: ("decode", batch, blocks) or ("prefill", tokens, blocks)
+Shape = tuple[str, int, int]  # a warm-up bucket: ("decode", batch, blocks), ("prefill", tokens, blocks), ("fresh", tokens, spans)
 
 
 def plan(batch: Batch, block_size: int) -> StepPlan:
@@ -112,6 +115,8 @@ class StepInput:
         for g in self.meta.groups:
             if isinstance(g, AttentionGroup):
                 out += [g.query_index, g.block_tables, g.mask, g.out_tokens, g.out_cells]
+            elif isinstance(g, FreshPrefillGroup):
+                out.append(g.spans)
         return out if self.features is None else [*out, self.features]
 
     def replay_key(self) -> tuple:
@@ -162,6 +167,8 @@ def _meta_on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata
         if isinstance(g, AttentionGroup):
             g = AttentionGroup(g.query_index.to(device), g.block_tables.to(device), g.mask.to(device),
                                g.out_tokens.to(device), g.out_cells.to(device))
+        elif isinstance(g, FreshPrefillGroup):
+            g = FreshPrefillGroup(g.spans.to(device))
         groups.append(g)
     return AttentionMetadata(slot_mapping=meta.slot_mapping.to(device), groups=groups)
 
@@ -189,6 +196,8 @@ def _mark_bucket_sizes(input_ids: torch.Tensor, positions: torch.Tensor, meta: A
             maybe_mark_dynamic(g.mask, (0, 2, 3))
             maybe_mark_dynamic(g.out_tokens, 0)
             maybe_mark_dynamic(g.out_cells, 0)
+        elif isinstance(g, FreshPrefillGroup):
+            maybe_mark_dynamic(g.spans, 0)
 
 
 def _compiled_step(device: torch.device):  # noqa: ANN202 - a torch.compile wrapper of _step
@@ -362,6 +371,12 @@ class ModelRunner:
         # Prompts from their first token attend unpadded, one causal call each (attention.FreshPrefillGroup);
         # off (TORCHBRIDGE_SERVE_FRESH_PREFILL=0, or set by the bench's A/B), they join the gathered, masked group.
         self.fresh_prefill = os.environ.get("TORCHBRIDGE_SERVE_FRESH_PREFILL", "1") != "0"
+        # On the bridge's device over JAX's CPU platform, where the CPU kernels build, the same group runs the
+        # same kernel as a custom call (kernels/prefill_attention.py); other devices pad prompts into the masked
+        # group (no packed kernel for them yet).
+        self.device_fresh_prefill = (_bridge_on_cpu_platform(self.device) and _cpu_kernels_build()
+                                     and any("prefill_attention" in getattr(m, "names", ())
+                                             for m in self.model.modules()))
         self.model.use_cpu_kernels(self.decode_kernel)
         self.workspace = None if self.decode_kernel else (
             DecodeWorkspace(mc.num_layers, mc.num_kv_heads // self.tp.size, mc.head_dim, self.dtype, self.device,
@@ -392,8 +407,10 @@ class ModelRunner:
         # Per group (decodes, chunks): (first flat token, query length, context length, block table).
         groups: dict[bool, list[tuple[int, int, int, list[int]]]] = {True: [], False: []}
         decodes: list[tuple[PlannedSeq, int, int]] = []  # (seq, flat token, position) of one-token items
-        fresh: list[tuple[int, int]] = []  # (flat token, count) of prompts from their first token (cpu kernels)
+        fresh: list[tuple[int, int]] = []  # (flat token, count) of prompts from their first token
         use_kernel = self.decode_kernel and not pad
+        # (on the bridge's device a fresh prompt needs two tokens or more: one token is a decode group's row)
+        fresh_from = 1 if use_kernel else 2 if pad and self.device_fresh_prefill else None
         use_ws = self.workspace is not None and not pad
         for seq in step:
             start, toks = seq.start, seq.tokens
@@ -409,7 +426,7 @@ class ModelRunner:
                 # A few queries (a speculative verify, a short chunk): one decode row each, its context
                 # ending at its own position (causal; the step's K/V are in the cache before attention).
                 decodes.extend((seq, first + j, start + j) for j in range(len(toks)))
-            elif (use_kernel and start == 0 and self.fresh_prefill
+            elif (fresh_from is not None and start == 0 and len(toks) >= fresh_from and self.fresh_prefill
                   and (self.sliding_window is None or len(toks) <= self.sliding_window)):
                 fresh.append((first, len(toks)))  # a prompt's first chunk: its own keys and values only
             else:
@@ -443,7 +460,9 @@ class ModelRunner:
             self.workspace.release_all()  # a padded step does not write the workspace
         attn_groups += [self._group(g, pos, n, pad, tensor) for g in groups.values() if g]
         if fresh:
-            attn_groups.append(FreshPrefillGroup(fresh))
+            # a bucketed count of spans on the device (padding spans count 0: they cost nothing)
+            fresh += [(0, 0)] * ((_bucket(len(fresh), FRESH_MIN_SPANS) if pad else len(fresh)) - len(fresh))
+            attn_groups.append(FreshPrefillGroup(tensor(fresh)))  # type: ignore[operator]
         meta = AttentionMetadata(slot_mapping=tensor(slots), groups=attn_groups)
         assert num_real <= n
         return StepInput(tensor(ids), tensor(pos), meta, tensor(sample), rows, len(sample))
@@ -543,7 +562,7 @@ class ModelRunner:
             x for g in meta.groups for x in (
                 (g.query_index.shape[0], g.kv_len) if isinstance(g, WorkspaceGroup)
                 else (*g.block_tables.shape,) if isinstance(g, PagedDecodeGroup)
-                else (sum(c for _, c in g.spans),) if isinstance(g, FreshPrefillGroup)
+                else (g.spans.shape[0],) if isinstance(g, FreshPrefillGroup)
                 else (*g.query_index.shape, g.block_tables.shape[1], g.out_tokens.shape[0])
             )
         )
@@ -650,7 +669,8 @@ class ModelRunner:
 
     def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[Shape]:
         """Every decode bucket (batch x blocks) and every single-sequence prefill bucket (tokens x blocks)
-        the limits allow, smallest first."""
+        the limits allow, and where the device packs fresh prompts (`device_fresh_prefill`) a bucket of
+        them per token bucket (tokens x `FRESH_MIN_SPANS`), smallest first."""
         bs = self.block_size
         batches = [x for x in (2**i for i in range(20)) if MIN_BUCKET <= x <= _bucket(max_num_seqs, MIN_BUCKET)]
         most = _bucket(self.max_blocks_per_seq)
@@ -658,6 +678,8 @@ class ModelRunner:
         tokens = [x for x in (2**i for i in range(4, 20)) if x <= _bucket(max_num_batched_tokens, 16)]
         shapes = [("decode", b, mb) for b, mb in itertools.product(batches, blocks)]
         shapes += [("prefill", t, mb) for t, mb in itertools.product(tokens, blocks) if t <= mb * bs]
+        if self.device_fresh_prefill and self.fresh_prefill:  # prompts from their first token: (tokens, spans)
+            shapes += [("fresh", t, FRESH_MIN_SPANS) for t in tokens]
         return sorted(shapes, key=lambda s: s[1] * s[2])
 
     @torch.inference_mode()
@@ -699,8 +721,13 @@ class ModelRunner:
             b, t = (x, 1) if kind == "decode" else (1, x)
             n = _token_bucket(b * t, kind == "decode")
             table = [self.scratch_block] * mb
-            group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n, True,
-                                lambda v: torch.tensor(v, dtype=torch.long, device=self.input_device))
+            group: AttentionGroup | FreshPrefillGroup
+            if kind == "fresh":  # (mb: the count of spans) one prompt of all n tokens, the other spans padding
+                group = FreshPrefillGroup(torch.tensor([(0, n)] + [(0, 0)] * (mb - 1), dtype=torch.long,
+                                                       device=self.input_device))
+            else:
+                group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n,
+                                    True, lambda v: torch.tensor(v, dtype=torch.long, device=self.input_device))
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.input_device), groups=[group])
             ids, sample_index = zeros(n), zeros(_bucket(b if kind == "decode" else 1, MIN_BUCKET))

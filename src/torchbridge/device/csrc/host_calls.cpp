@@ -362,6 +362,32 @@ ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// Fresh prompts' attention, packed: the serving engine's CPU kernel (serve/csrc/prefill_attention.cpp,
+// torchbridge_serve::prefill_attention) on XLA buffers, through PyTorch's dispatcher. Each span of the step's
+// rows attends causally over its own keys and values, with PyTorch's CPU flash attention and no padding; the
+// engine's device step formed a masked group instead, every prompt padded to the longest and the group to a
+// bucket of rows. q [N,H,D], k and v [N,KVH,D] and out in float32/bfloat16/float16; spans [S,2] int64.
+ffi::Error prefill_attention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer spans,
+                             ffi::Result<ffi::AnyBuffer> out, double scale) {
+  at::ScalarType st, it;
+  if (!to_scalar_type(q.element_type(), {at::kFloat, at::kBFloat16, at::kHalf}, &st) ||
+      k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      out->element_type() != q.element_type() || !to_scalar_type(spans.element_type(), {at::kLong}, &it)) {
+    return ffi::Error::InvalidArgument(
+        "torchbridge prefill attention: q, k, v and out float32/bfloat16/float16 of one dtype, spans int64");
+  }
+  c10::InferenceMode guard;
+  try {
+    static const c10::OperatorHandle& op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::prefill_attention", "");
+    torch::jit::Stack stack{wrap(*out, st), wrap(q, st), wrap(k, st), wrap(v, st), wrap(spans, it), scale};
+    op.callBoxed(&stack);
+  } catch (const std::exception& e) {  // a span outside the rows, no kernel: its message, not a crash
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 // A linear layer whose weight the serving engine's kernel library holds (serve/csrc/held_linear.cpp,
 // torchbridge_serve::held_linear), by the key the engine gave it: x [M, K], out [M, N], of one dtype.
 // Pre-packed for oneDNN (bf16/fp16 x): XLA:CPU would multiply 16-bit floats in float32; oneDNN's packed
@@ -464,4 +490,14 @@ void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(
 void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
 void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }
 void* torchbridge_held_linear_handler() { return reinterpret_cast<void*>(&TorchbridgeHeldLinear); }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePrefillAttention, prefill_attention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("scale"));
+
 void* torchbridge_paged_decode_handler() { return reinterpret_cast<void*>(&TorchbridgePagedDecode); }
+void* torchbridge_prefill_attention_handler() { return reinterpret_cast<void*>(&TorchbridgePrefillAttention); }

@@ -537,6 +537,7 @@ void* torchbridge_adam_step_handler();  // host_calls.cpp
 void* torchbridge_adagrad_step_handler();  // host_calls.cpp
 void* torchbridge_paged_decode_handler();  // host_calls.cpp
 void* torchbridge_held_linear_handler();  // host_calls.cpp
+void* torchbridge_prefill_attention_handler();  // host_calls.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_gemm_capsule", []() { return pybind11::capsule(torchbridge_host_gemm_handler()); },
@@ -555,6 +556,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "XLA FFI handler: a linear by a weight the engine's kernel library holds (host_calls.cpp)");
   m.def("paged_decode_capsule", []() { return pybind11::capsule(torchbridge_paged_decode_handler()); },
         "XLA FFI handler: the engine's paged decode attention kernel (host_calls.cpp)");
+  m.def("prefill_attention_capsule", []() { return pybind11::capsule(torchbridge_prefill_attention_handler()); },
+        "XLA FFI handler: the engine's packed causal attention of fresh prompts (host_calls.cpp)");
   m.def("adagrad_step_capsule", []() { return pybind11::capsule(torchbridge_adagrad_step_handler()); },
         "the XLA FFI handler of the CPU platform's one-pass Adagrad update");
   m.def("install", &install, "set the allocator and hooks; safe to call again to change the device count");

@@ -38,7 +38,7 @@ from torchbridge.serve.parallel import (
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
-KERNELS = ("rms_norm", "rotary", "swiglu", "paged_attention")
+KERNELS = ("rms_norm", "rotary", "swiglu", "paged_attention", "prefill_attention")
 
 
 def enabled_kernels() -> frozenset[str]:
@@ -63,16 +63,17 @@ class _Kernels:
 
     def kernel(self, name: str, x: torch.Tensor) -> Any:
         """The module of shipped kernel `name` (torchbridge.kernels.<name>) when it applies to `x`, else None."""
-        if self.cpu and x.device.type == "cpu" and name in ("rms_norm", "rotary", "swiglu"):
+        if self.cpu and x.device.type == "cpu" and name in ("rms_norm", "rotary", "swiglu", "prefill_attention"):
             from torchbridge.serve import cpu_kernels
 
             return cpu_kernels
         if name not in self.names or x.device.type != self.device_type:
             return None
         # the bridge's device is in use, so its packages are loaded
-        from torchbridge.kernels import paged_attention, rms_norm, rotary, swiglu
+        from torchbridge.kernels import paged_attention, prefill_attention, rms_norm, rotary, swiglu
 
-        return {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu, "paged_attention": paged_attention}[name]
+        return {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu, "paged_attention": paged_attention,
+                "prefill_attention": prefill_attention}[name]
 
 
 class RMSNorm(_Kernels, nn.Module):
@@ -189,8 +190,10 @@ class Attention(_Kernels, nn.Module):
             k = k * cos + rotate_half(k) * sin
         kern = self.kernel("paged_attention", q) if self.sliding_window is None else None
         decode = None if kern is None else kern.paged_attention
+        kern = self.kernel("prefill_attention", q)
+        prefill = None if kern is None else kern.prefill_attention
         out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, self.layer, decode_kernel=decode,
-                              cached=cached)
+                              cached=cached, prefill_kernel=prefill)
         return self.o_proj(out)
 
 
