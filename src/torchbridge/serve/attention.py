@@ -189,21 +189,6 @@ def _workspace_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: W
     out.index_copy_(0, g.query_index, o.reshape(r, num_heads * head_dim))
 
 
-def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: FreshPrefillGroup, scale: float,
-                        out: torch.Tensor) -> None:
-    """A `FreshPrefillGroup` without the kernel: one causal SDPA call per prompt (its spans read on the host)."""
-    num_heads, head_dim = q.shape[1:]
-    for first, count in g.spans.tolist():
-        if count == 0:
-            continue
-        span = slice(first, first + count)
-        # 4-d: SDPA takes 3-d inputs to its math path (bmm, softmax), not the CPU flash kernel
-        o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], k[span].transpose(0, 1)[None],
-                                           v[span].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=num_heads != k.shape[1])  # [1, H, count, D]
-        out[span] = o[0].transpose(0, 1).reshape(count, num_heads * head_dim)
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,8 +207,8 @@ def paged_attention(
     attention kernel (torchbridge.kernels), used for decode groups (one query per row): it reads the
     blocks in place instead of gathering them, and needs each row's keys to be [0, context length).
     `cached`: k and v are in the cache already (the CPU kernels' `rotary_into_cache` wrote them).
-    `prefill_kernel`: `prefill_attention(q, k, v, spans, scale)` for a `FreshPrefillGroup` (the CPU kernels', or
-    the device's shipped one); without it such a group runs one SDPA call per prompt (spans on the host)."""
+    `prefill_kernel`: `prefill_attention(q, k, v, spans, scale)`, which a `FreshPrefillGroup` needs (the CPU
+    kernels', or the device's shipped one: the runner forms such groups only where the model has it)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if not cached:
@@ -242,7 +227,10 @@ def paged_attention(
     # results then go into. One causal call per prompt: a masked call over the group padded every prompt to
     # the longest one's length and computed every padded score (SDPA's CPU kernel skips only what is_causal says).
     fresh = next((g for g in meta.groups if isinstance(g, FreshPrefillGroup)), None)
-    if fresh is not None and prefill_kernel is not None:
+    if fresh is not None:
+        if prefill_kernel is None:
+            raise ValueError("paged_attention: a FreshPrefillGroup needs prefill_kernel (the CPU kernels' or the "
+                             "device's prefill_attention)")
         o = prefill_kernel(q, k, v, fresh.spans, scale).reshape(n, num_heads * head_dim)
         if len(meta.groups) == 1:
             return o
@@ -251,9 +239,7 @@ def paged_attention(
         out = q.new_zeros(n + 1, num_heads * head_dim)
     for g in meta.groups:
         if isinstance(g, FreshPrefillGroup):
-            if prefill_kernel is None:
-                _fresh_prefill_sdpa(q, k, v, g, scale, out)
-            continue
+            continue  # (computed above)
         if isinstance(g, WorkspaceGroup):
             _workspace_attention(q, k, v, g, layer, out, scale)
             continue

@@ -717,17 +717,19 @@ class ModelRunner:
         def zeros(size: int) -> torch.Tensor:  # one tensor per input, as prepare() makes them (no aliases)
             return torch.zeros((size,), dtype=torch.long, device=self.input_device)
 
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.input_device)
+
         for kind, x, mb in tqdm(shapes, desc="warming up shape buckets", disable=not progress):
             b, t = (x, 1) if kind == "decode" else (1, x)
             n = _token_bucket(b * t, kind == "decode")
             table = [self.scratch_block] * mb
             group: AttentionGroup | FreshPrefillGroup
             if kind == "fresh":  # (mb: the count of spans) one prompt of all n tokens, the other spans padding
-                group = FreshPrefillGroup(torch.tensor([(0, n)] + [(0, 0)] * (mb - 1), dtype=torch.long,
-                                                       device=self.input_device))
+                group = FreshPrefillGroup(tensor([(0, n)] + [(0, 0)] * (mb - 1)))
             else:
                 group = self._group([(0, 1, 0, table)] * b if kind == "decode" else [(0, t, 0, table)], [0] * n, n,
-                                    True, lambda v: torch.tensor(v, dtype=torch.long, device=self.input_device))
+                                    True, tensor)
             meta = AttentionMetadata(slot_mapping=torch.full((n,), self.scratch_block * bs, dtype=torch.long,
                                                              device=self.input_device), groups=[group])
             ids, sample_index = zeros(n), zeros(_bucket(b if kind == "decode" else 1, MIN_BUCKET))

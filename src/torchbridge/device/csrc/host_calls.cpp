@@ -483,13 +483,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePagedDecode, paged_decode,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<double>("scale"));
 
-void* torchbridge_host_gemm_handler() { return reinterpret_cast<void*>(&TorchbridgeHostGemm); }
-void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeFence); }
-void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
-void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
-void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
-void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }
-void* torchbridge_held_linear_handler() { return reinterpret_cast<void*>(&TorchbridgeHeldLinear); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePrefillAttention, prefill_attention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -499,5 +492,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchbridgePrefillAttention, prefill_attention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<double>("scale"));
 
+void* torchbridge_host_gemm_handler() { return reinterpret_cast<void*>(&TorchbridgeHostGemm); }
+void* torchbridge_fence_handler() { return reinterpret_cast<void*>(&TorchbridgeFence); }
+void* torchbridge_attention_handler() { return reinterpret_cast<void*>(&TorchbridgeAttention); }
+void* torchbridge_attention_backward_handler() { return reinterpret_cast<void*>(&TorchbridgeAttentionBackward); }
+void* torchbridge_adam_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdamStep); }
+void* torchbridge_adagrad_step_handler() { return reinterpret_cast<void*>(&TorchbridgeAdagradStep); }
+void* torchbridge_held_linear_handler() { return reinterpret_cast<void*>(&TorchbridgeHeldLinear); }
 void* torchbridge_paged_decode_handler() { return reinterpret_cast<void*>(&TorchbridgePagedDecode); }
 void* torchbridge_prefill_attention_handler() { return reinterpret_cast<void*>(&TorchbridgePrefillAttention); }
