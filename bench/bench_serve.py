@@ -415,9 +415,11 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
             os.environ["TORCHBRIDGE_SERVE_PANELS"] = "0"
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind != "ours-gather",
                                              dtype=args.dtype)
-    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync", "ours-tpu-padded"):
+    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync", "ours-tpu-padded", "ours-tpu-untiled"):
         import torchbridge
 
+        if kind == "ours-tpu-untiled":  # held bf16 weights without the tile kernel: oneDNN from 4 rows, XLA below
+            os.environ["TORCHBRIDGE_SERVE_TILES"] = "0"
         if kind == "ours-tpu-padded":  # fresh prompts padded into the masked group, not packed per span
             os.environ["TORCHBRIDGE_SERVE_FRESH_PREFILL"] = "0"
 
@@ -448,7 +450,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
 
 
 ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-unpaneled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
-        "ours-tpu-padded", "hf-batched", "hf-sequential", "vllm")
+        "ours-tpu-padded", "ours-tpu-untiled", "hf-batched", "hf-sequential", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from torchbridge.serve import cpu_kernels
 from torchbridge.serve.linear import (
     HELD_MIN_ROWS,
     HELD_PANEL_MAX_ROWS,
+    TILE_MAX_ROWS,
     Linear,
     hold,
     packing_supported,
@@ -112,6 +113,67 @@ def test_held_weights_serve_many_rows_xla_few(monkeypatch: pytest.MonkeyPatch) -
     for rows in (1, HELD_MIN_ROWS - 1, HELD_MIN_ROWS, 100):
         model[0](torch.randn(rows, 64).bfloat16().to("tpu")).cpu()
     assert calls == [HELD_MIN_ROWS, 100]
+
+
+tiled_only = pytest.mark.skipif(cpu_kernels.available() is not None or cpu_kernels.tile_kernel() is None,
+                                reason="no bf16 tile kernel on this CPU (it needs AMX or AVX512-BF16)")
+
+
+@tiled_only
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tiled_held_linear_is_the_float64_product_at_every_row_count(compiled: bool) -> None:
+    """With the tile kernel, a held bf16 layer whose sides are multiples of 32 (64 -> 96) serves every call: up to
+    the kernel's row limit through the tile layout, above it through oneDNN; one that is not (96 -> 40) keeps XLA
+    below HELD_MIN_ROWS."""
+    kernel = cpu_kernels.tile_kernel()
+    model, w, b = _layers()
+    assert hold(model, tiles=kernel) == 2
+    assert model[0].held_rows == (1, 1 << 62) and model[1].held_rows == (HELD_MIN_ROWS, 1 << 62)
+    widen(model)
+    transpose(model)
+    fn = torch.compile(model[0], backend="tpu") if compiled else model[0]
+    for rows in (1, 2, TILE_MAX_ROWS[kernel], TILE_MAX_ROWS[kernel] + 1, 37):
+        x = torch.randn(rows, 64).bfloat16()
+        y = fn(x.to("tpu")).cpu()
+        xd = x.double()
+        ref, scale = xd @ w.T + b, xd.abs() @ w.abs().T + b.abs()
+        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+        assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + scale * 1e-5).all(), rows
+
+
+@tiled_only
+def test_tiled_held_weights_run_the_tile_kernel_up_to_its_limit() -> None:
+    """Routing, seen through the results: a key holding W packed and another weight W2 as tiles gives x @ W2.T up
+    to the tile kernel's row limit and x @ W.T above it (a library that never took the tiles, or took them at
+    every row count, fails)."""
+    from torchbridge.serve.linear import amx_layout
+
+    kernel = cpu_kernels.tile_kernel()
+    limit = TILE_MAX_ROWS[kernel]
+    torch.manual_seed(1)
+    w, w2 = torch.randn(96, 64).bfloat16(), torch.randn(96, 64).bfloat16()
+    key = 4242
+    torch.ops.torchbridge_serve.hold_packed_weight(key, torch.ops.mkldnn._reorder_linear_weight(w, None), None, 64, 96)
+    torch.ops.torchbridge_serve.hold_tiles(key, amx_layout(w2), kernel, limit)
+    for rows in (1, limit, limit + 1, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        y = cpu_kernels.held_linear(x, key, 96).double()
+        expect = x.double() @ (w2 if rows <= limit else w).double().T
+        assert ((y - expect).abs() <= expect.abs() * 2**-8 + 1e-3).all(), rows
+
+
+def test_hold_tiles_refuses_a_weight_it_does_not_fit_by_name() -> None:
+    if cpu_kernels.available() is not None:
+        pytest.skip("the engine's CPU kernels do not build here")
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU (no AVX512-BF16/AMX)")
+    key = cpu_kernels.hold_packed_weight(torch.randn(96, 64).bfloat16())
+    with pytest.raises(Exception, match=r"hold_tiles: tiles must be contiguous bfloat16 \[3, 2, 2, 16, 32\]"):
+        torch.ops.torchbridge_serve.hold_tiles(key, torch.zeros(2, 2, 2, 16, 32, dtype=torch.bfloat16), "amx", 8)
+    with pytest.raises(Exception, match="hold_tiles: no packed weight is held under key 777"):
+        torch.ops.torchbridge_serve.hold_tiles(777, torch.zeros(3, 2, 2, 16, 32, dtype=torch.bfloat16), "amx", 8)
+    with pytest.raises(Exception, match="hold_tiles: kernel must be"):
+        torch.ops.torchbridge_serve.hold_tiles(key, torch.zeros(3, 2, 2, 16, 32, dtype=torch.bfloat16), "vnni", 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -210,13 +210,20 @@ def weight_key(w: torch.Tensor, bias: torch.Tensor | None = None, form: str = ""
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def hold_packed_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+def hold_packed_weight(w: torch.Tensor, bias: torch.Tensor | None = None, tiles: str | None = None,
+                       tile_max_rows: int = 0) -> int:
     """Give the library W [out, in] (a CPU tensor of a dtype oneDNN packs here) pre-packed, with its bias;
-    returns the key `held_linear` takes."""
-    key = weight_key(w, bias)
+    returns the key `held_linear` takes. `tiles` ("amx" or "avx512bf16", `tile_kernel()`; a bf16 W whose
+    sides are multiples of 32): also in serve/linear.py `amx_layout`, and calls of up to `tile_max_rows` rows
+    run that kernel over it instead of oneDNN."""
+    key = weight_key(w, bias, form="" if tiles is None else f"tiles:{tiles}:{tile_max_rows}")
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
     b = None if bias is None else bias.detach().to(w.dtype).contiguous()
     torch.ops.torchbridge_serve.hold_packed_weight(key, packed, b, w.shape[1], w.shape[0])
+    if tiles is not None:
+        from torchbridge.serve.linear import amx_layout
+
+        torch.ops.torchbridge_serve.hold_tiles(key, amx_layout(w.detach()), tiles, tile_max_rows)
     return key
 
 

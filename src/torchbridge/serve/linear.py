@@ -57,7 +57,11 @@ and there it beat XLA's float32 dot from a few rows up: the bundled model's 17 p
 16-bit layer's weight, packed, to the engine's kernel library (serve/cpu_kernels.py `hold_packed_weight`),
 and calls of `HELD_MIN_ROWS` rows or more go to it by its key (`torch.ops.torchbridge.held_linear`, a
 custom call inside the compiled step); fewer rows keep the float32 [in, out] weight. Such a layer holds
-its weight in 16 bits (packed) as well as in float32.
+its weight in 16 bits (packed) as well as in float32. Where the CPU has a bf16 tile kernel (AMX or
+AVX512-BF16: `hold(model, tiles=...)`) a held layer also keeps `amx_layout`, and every call goes to the
+library, which runs the tile kernel up to its row limit and oneDNN above: a single-user bf16 decode of the
+bundled model on the device 1.41x the same engine without the tile kernel, level with the cpu engine
+(AMD EPYC Zen 4, 2026-12-07, docs/benchmarks/serve.md).
 
 XLA's float32 dot, like oneDNN's, leaves much of the core idle at a decode step's rows: `hold(model,
 panels=True)` hands every float32 layer, and each 16-bit one oneDNN does not multiply here (AVX2 CPUs), to
@@ -212,13 +216,16 @@ def widen(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def hold(model: nn.Module, panels: bool = False) -> int:
+def hold(model: nn.Module, panels: bool = False, tiles: str | None = None) -> int:
     """Hand every 16-bit `Linear` of `model` (on a device other than the CPU, a dtype oneDNN packs here) to the
     engine's kernel library, packed (`Linear.held`; its kernels loaded); returns how many. For the bridge's
     device over JAX's CPU platform, whose compiler has no 16-bit GEMM. The layer keeps its weight too.
     `panels` (where the CPU kernels' `panel_linear_available()`): every float32 `Linear`, and each 16-bit one
     oneDNN does not multiply here, is held in
-    `panel_layout` instead, for the library's float32 kernel, up to `HELD_PANEL_MAX_ROWS` rows."""
+    `panel_layout` instead, for the library's float32 kernel, up to `HELD_PANEL_MAX_ROWS` rows.
+    `tiles` ("amx" or "avx512bf16": the CPU kernels' `tile_kernel()`): a packed bf16 layer of fitting shape also
+    holds `amx_layout`, and every call goes to the library: up to that kernel's row limit (`TILE_MAX_ROWS`) the
+    tile kernel runs, above it oneDNN."""
     from torchbridge.kernels import held_linear  # noqa: F401 - registers torch.ops.torchbridge.held_linear
     from torchbridge.serve import cpu_kernels
 
@@ -235,6 +242,10 @@ def hold(model: nn.Module, panels: bool = False) -> int:
         w, bias = m.weight.detach().cpu(), None if m.bias is None else m.bias.detach().cpu()
         if as_panels:
             m.held, m.held_rows = cpu_kernels.hold_panel_weight(w, bias), (1, HELD_PANEL_MAX_ROWS)
+        elif tiles is not None and _amx_fits(w, bias):
+            # the tile kernel at a decode step's few rows (where XLA's dot beat oneDNN's packed call), oneDNN above
+            m.held = cpu_kernels.hold_packed_weight(w, bias, tiles, TILE_MAX_ROWS[tiles])
+            m.held_rows = (1, 1 << 62)
         else:
             m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, 1 << 62)
         n += 1

@@ -356,7 +356,9 @@ class ModelRunner:
         # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
-        tiles = _tile_kernel() if self.decode_kernel and self.dtype == torch.bfloat16 else None
+        # (on the bridge's device the held bf16 weights' decode rows run the same tile kernel)
+        tiles = (_tile_kernel() if (self.decode_kernel or _held_weights(self.device)) and self.dtype == torch.bfloat16
+                 else None)
         # On the cpu the panel kernel is one of the CPU kernels (config.py allows those only there); on the
         # bridge's device over JAX's CPU platform its compiled step calls the same kernel by held weights.
         panels = (self.decode_kernel or _held_weights(self.device)) and _panels()

@@ -42,7 +42,8 @@ def load_model(
     (`transpose`); `held`: 16-bit linears also handed, packed, to the engine's kernel library (`hold`: from a
     few rows on, products run oneDNN's 16-bit GEMM); `panels`: float32 linears (and 16-bit ones oneDNN does not
     run here) in the panel layout of the engine's AVX2 kernel instead of oneDNN's (`pack`), and with `held`
-    every linear held in that layout (`hold(model, panels=True)`). With `target`, the
+    every linear held in that layout (`hold(model, panels=True)`); with `held` and `tiles`, held bf16 linears
+    also in the tile layout, whose kernel the library runs at a decode step's rows. With `target`, the
     checkpoint is an EAGLE head for that model (models/eagle.py), sharing its LM head and embedding."""
     model_dir = Path(model_dir)
     rename, shared = (lambda name: name), ()
@@ -97,7 +98,7 @@ def load_model(
     model.fuse()
     pack(model, tiles, panels)  # on the cpu: weights laid out once for oneDNN (or as panels), and as tiles if asked
     if held:
-        hold(model, panels)  # (before `widen` releases the 16-bit weights)
+        hold(model, panels, tiles)  # (before `widen` releases the 16-bit weights)
     if wide:
         widen(model)  # 16-bit weights as float32, where the device multiplies in float32 anyway
     if transposed:
