@@ -356,16 +356,16 @@ class ModelRunner:
         # The CPU kernels, when asked for and they build (else plain torch ops, and the workspace, if on,
         # serves decodes).
         self.decode_kernel = bool(config.cpu_kernels) and _cpu_kernels_build()
+        held = _held_weights(self.device)
         # (on the bridge's device the held bf16 weights' decode rows run the same tile kernel)
-        tiles = (_tile_kernel() if (self.decode_kernel or _held_weights(self.device)) and self.dtype == torch.bfloat16
-                 else None)
+        tiles = _tile_kernel() if (self.decode_kernel or held) and self.dtype == torch.bfloat16 else None
         # On the cpu the panel kernel is one of the CPU kernels (config.py allows those only there); on the
         # bridge's device over JAX's CPU platform its compiled step calls the same kernel by held weights.
-        panels = (self.decode_kernel or _held_weights(self.device)) and _panels()
+        panels = (self.decode_kernel or held) and _panels()
         _load_kernels_for_device(self.device)
         self.model = load_model(config.model, mc, str(self.device), self.dtype, config.max_model_len + 1, self.tp, tiles,
                                 _wide_weights(self.device), target, transposed=_transposed_weights(self.device),
-                                held=_held_weights(self.device), panels=panels)
+                                held=held, panels=panels)
         shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads // self.tp.size, mc.head_dim)
         self.kv_caches = [(_kv_cache(shape, self.dtype, self.device), _kv_cache(shape, self.dtype, self.device))
                           for _ in range(mc.num_layers)]
