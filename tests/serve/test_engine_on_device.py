@@ -187,23 +187,36 @@ def test_warm_up_waits_for_its_programs(llama_dir: Path, monkeypatch: pytest.Mon
     assert pending is not None and all(x.is_ready() for x in jax.tree.leaves(pending))
 
 
-def test_16bit_linears_multiply_float32_weights_on_the_cpu_platform(llama_dir: Path) -> None:
+@pytest.mark.parametrize("tiles", ["default", "off"])
+def test_16bit_linears_multiply_float32_weights_on_the_cpu_platform(llama_dir: Path, tiles: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """XLA:CPU multiplies 16-bit floats in float32, converting the weight at every call, and its dot at a
     decode step's rows is about twice as fast with the weight stored [in, out]: on that platform the engine
     keeps each bf16 linear's weight as float32 [in, out] (serve/linear.py `transpose`; the 16-bit copy released
-    unless tied). Accuracy against HF in bf16 is test_dtype's (on this device too); here: the layers really
-    are laid out so, and serve."""
+    unless tied), except a layer whose every call goes to the kernel library's held weight (`always_held`: a
+    bf16 layer held with tiles, where the CPU has a bf16 tile kernel), which keeps no copy at all. Accuracy
+    against HF in bf16 is test_dtype's (on this device too); here: the layers really are laid out so, and serve."""
     from torchbridge.device.runtime import STATE
-    from torchbridge.serve.linear import Linear
+    from torchbridge.serve import cpu_kernels
+    from torchbridge.serve.linear import Linear, always_held
 
     if STATE.platform != "cpu":
         pytest.skip(f"XLA on {STATE.platform} multiplies 16-bit floats natively: weights stay 16-bit")
+    if tiles == "off":
+        monkeypatch.setenv("TORCHBRIDGE_SERVE_TILES", "0")
     llm = LLM(str(llama_dir), device=DEV, dtype="bfloat16", block_size=16, num_blocks=24, max_model_len=48,
               max_num_seqs=4, max_num_batched_tokens=32)
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.wt is not None and m.wt.dtype.itemsize == 4 and m.wt.device.type == DEV
-                           and m.wt.shape == (m.in_features, m.out_features) for m in linears)
+    held = [m for m in linears if always_held(m)]
+    widened = [m for m in linears if not always_held(m)]
+    assert linears and all(m.wt is None and m.wide is None for m in held)
+    assert all(m.wt is not None and m.wt.dtype.itemsize == 4 and m.wt.device.type == DEV
+               and m.wt.shape == (m.in_features, m.out_features) for m in widened)
+    if tiles == "off" or cpu_kernels.tile_kernel() is None:
+        assert not held, "a layer held with tiles where the tiles are off or the CPU has no bf16 tile kernel"
+    else:  # the test model's layer shapes are multiples of 32: every one fits the tile layout
+        assert held == linears
     tied = model.model.embed_tokens.weight
     assert all(m.weight.device.type == "meta" or m.weight is tied for m in linears)
     out = llm.generate(mixed_prompts(2, hi=12), SamplingParams(temperature=0, max_tokens=4))

@@ -61,7 +61,8 @@ its weight in 16 bits (packed) as well as in float32. Where the CPU has a bf16 t
 AVX512-BF16: `hold(model, tiles=...)`) a held layer also keeps `amx_layout`, and every call goes to the
 library, which runs the tile kernel up to its row limit and oneDNN above: a single-user bf16 decode of the
 bundled model on the device 1.41x the same engine without the tile kernel, level with the cpu engine
-(AMD EPYC Zen 4, 2026-12-07, docs/benchmarks/serve.md).
+(AMD EPYC Zen 4, 2026-12-07, docs/benchmarks/serve.md). No product reads such a layer's own weight, so
+`widen`/`transpose` give it no float32 copy and release the device's 16-bit one (unless tied).
 
 XLA's float32 dot, like oneDNN's, leaves much of the core idle at a decode step's rows: `hold(model,
 panels=True)` hands every float32 layer, and each 16-bit one oneDNN does not multiply here (AVX2 CPUs), to
@@ -133,6 +134,13 @@ AMX_MAX_ROWS = 32
 # bench/bench_serve_kernels.py --tiles, docs/benchmarks/serve_kernels_zen4.md).
 AVX512BF16_MAX_ROWS = 8
 TILE_MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512bf16": AVX512BF16_MAX_ROWS}
+# `held_rows` of a layer whose every call goes to the held weight (a bf16 layer held with tiles)
+HELD_EVERY_CALL = (1, 1 << 62)
+
+
+def always_held(m: Linear) -> bool:
+    """Every call of `m` goes to the library's held weight: the layer's own weight is read by no product."""
+    return m.held is not None and m.held_rows == HELD_EVERY_CALL
 
 
 def panel_layout(w: torch.Tensor) -> torch.Tensor:
@@ -203,13 +211,17 @@ def pack(model: nn.Module, tiles: str | None = None, panels: bool = False) -> in
 @torch.no_grad()
 def widen(model: nn.Module) -> int:
     """Give every 16-bit float `Linear` of `model` its weight as float32 (`Linear.wide`), releasing the
-    16-bit one where no other module shares it; returns how many. For devices whose compiler upcasts
+    16-bit one where no other module shares it; returns how many (an `always_held` layer is only released).
+    For devices whose compiler upcasts
     16-bit products to float32 anyway (the bridge's device over JAX's CPU platform): same products, no
     conversion of the weight per call."""
     shared = _shared(model)
     n = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.dtype in _HALF:
+            if always_held(m):
+                _release(m, shared)  # every call goes to the library: no product reads a float32 copy
+                continue
             _widen(m, shared)
             n += 1
     return n
@@ -245,9 +257,9 @@ def hold(model: nn.Module, panels: bool = False, tiles: str | None = None) -> in
         elif tiles is not None and _amx_fits(w, bias):
             # the tile kernel at a decode step's few rows (where XLA's dot beat oneDNN's packed call), oneDNN above
             m.held = cpu_kernels.hold_packed_weight(w, bias, tiles, TILE_MAX_ROWS[tiles])
-            m.held_rows = (1, 1 << 62)
+            m.held_rows = HELD_EVERY_CALL
         else:
-            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, 1 << 62)
+            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, HELD_EVERY_CALL[1])
         n += 1
     return n
 
@@ -255,16 +267,18 @@ def hold(model: nn.Module, panels: bool = False, tiles: str | None = None) -> in
 @torch.no_grad()
 def transpose(model: nn.Module) -> int:
     """Give every `Linear` of `model` the weight it multiplies by (its widened one after `widen`) as [in, out]
-    (`Linear.wt`), releasing the plain weight where no other module shares it; returns how many. For the
+    (`Linear.wt`), releasing the plain weight where no other module shares it; returns how many (layers whose
+    every call goes to a held weight, `always_held`, get none: only released). For the
     bridge's device over JAX's CPU platform, whose dot multiplies a decode step's few rows by a weight stored
     [in, out] about twice as fast as by one stored [out, in] (the module's docstring)."""
     shared = _shared(model)
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            m.wt, m.wide = (m.weight.detach() if m.wide is None else m.wide).t().contiguous(), None
+            if not always_held(m):
+                m.wt, m.wide = (m.weight.detach() if m.wide is None else m.wide).t().contiguous(), None
+                n += 1
             _release(m, shared)
-            n += 1
     return n
 
 
