@@ -115,8 +115,8 @@ def test_held_weights_serve_many_rows_xla_few(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [HELD_MIN_ROWS, 100]
 
 
-tiled_only = pytest.mark.skipif(cpu_kernels.available() is not None or cpu_kernels.tile_kernel() is None,
-                                reason="no bf16 tile kernel on this CPU (it needs AMX or AVX512-BF16)")
+tiled_only = pytest.mark.skipif(cpu_kernels.tile_kernel() is None,  # (None too where the kernels do not build)
+                                reason="no bf16 tile kernel here (it needs AMX or AVX512-BF16 and the CPU kernels built)")
 
 
 @tiled_only
