@@ -415,9 +415,12 @@ def worker(kind: str, model_dir: Path, args: argparse.Namespace) -> int:
             os.environ["TORCHBRIDGE_SERVE_PANELS"] = "0"
         result["seconds"] = run_ours_offline(model_dir, reqs, out_lens, args.concurrency, kind != "ours-gather",
                                              dtype=args.dtype)
-    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync", "ours-tpu-padded", "ours-tpu-untiled"):
+    elif kind in ("ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync", "ours-tpu-padded", "ours-tpu-untiled",
+                  "ours-tpu-threads"):
         import torchbridge
 
+        if kind == "ours-tpu-threads":  # XLA's CPU pools of --threads threads each (its default: one per CPU)
+            os.environ["TORCHBRIDGE_XLA_CPU_THREADS"] = str(args.threads)
         if kind == "ours-tpu-untiled":  # held bf16 weights without the tile kernel: oneDNN from 4 rows, XLA below
             os.environ["TORCHBRIDGE_SERVE_TILES"] = "0"
         if kind == "ours-tpu-padded":  # fresh prompts padded into the masked group, not packed per span
@@ -450,7 +453,7 @@ def throughput_table(results: dict[str, dict], n_out: int) -> list[str]:
 
 
 ARMS = ("ours", "ours-thread", "ours-gather", "ours-untiled", "ours-unpaneled", "ours-tpu", "ours-tpu-ops", "ours-tpu-unheld", "ours-tpu-sync",
-        "ours-tpu-padded", "ours-tpu-untiled", "hf-batched", "hf-sequential", "vllm")
+        "ours-tpu-padded", "ours-tpu-untiled", "ours-tpu-threads", "hf-batched", "hf-sequential", "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:

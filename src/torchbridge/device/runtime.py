@@ -51,9 +51,12 @@ class _State:
 
     @cached_property
     def platform(self) -> str:
-        for hook in self.before_backend:
-            hook()
-        return os.environ.get("TORCHBRIDGE_PLATFORM") or jax.default_backend()
+        from torchbridge.device import cpu_threads
+
+        with cpu_threads.sized_pools():  # (TORCHBRIDGE_XLA_CPU_THREADS: XLA's CPU pools sized as they start)
+            for hook in self.before_backend:
+                hook()
+            return os.environ.get("TORCHBRIDGE_PLATFORM") or jax.default_backend()
 
     @cached_property
     def devices(self) -> list[jax.Device]:
