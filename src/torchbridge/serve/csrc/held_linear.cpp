@@ -36,8 +36,8 @@ struct Held {
   at::Tensor tiles;  // bf16 [N/32, K/32, 2, 16, 32] beside `packed` (hold_tiles); undefined without
   bool tile_amx = false;  // the kernel that multiplies by `tiles`: amx_linear, else avx512bf16_linear
   int64_t tile_max_rows = 0;  // calls of at most this many rows go to it
-  int64_t in_features;
-  int64_t out_features;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
 };
 
 std::mutex g_lock;
@@ -49,7 +49,8 @@ std::unordered_map<int64_t, Held>& held() {
 void hold_packed_weight(int64_t key, at::Tensor packed, std::optional<at::Tensor> bias, int64_t in_features,
                         int64_t out_features) {
   std::lock_guard<std::mutex> guard(g_lock);
-  held()[key] = Held{std::move(packed), at::Tensor(), std::move(bias), at::Tensor(), false, 0, in_features, out_features};
+  held()[key] = Held{.packed = std::move(packed), .bias = std::move(bias), .in_features = in_features,
+                     .out_features = out_features};
 }
 
 void hold_tiles(int64_t key, at::Tensor tiles, const std::string& kernel, int64_t max_rows) {
@@ -76,7 +77,8 @@ void hold_panel_weight(int64_t key, at::Tensor panels, std::optional<at::Tensor>
               "hold_panel_weight: panels must be contiguous float32 [", (out_features + 15) / 16, ", ", in_features,
               ", 16]; got ", panels.sizes(), " ", panels.scalar_type());
   std::lock_guard<std::mutex> guard(g_lock);
-  held()[key] = Held{at::Tensor(), std::move(panels), std::move(bias), at::Tensor(), false, 0, in_features, out_features};
+  held()[key] = Held{.panels = std::move(panels), .bias = std::move(bias), .in_features = in_features,
+                     .out_features = out_features};
 }
 
 int64_t held_weights() {
