@@ -9,8 +9,10 @@ size, not the narrow mask. Unset, XLA sizes the pools by every CPU, as before.
 Why it matters: PyTorch's own CPU ops follow `torch.set_num_threads` / OMP_NUM_THREADS, XLA's pools do not.
 The serving engine on the device over the CPU platform with one torch thread (as the cpu engine runs) had
 four XLA threads on a 2-core host, and the program's threads and the engine's Python thread kept taking each
-other's core (~1,600 involuntary context switches a second; docs/benchmarks/serve.md). The setting applies
-when torchbridge starts JAX's backends; a process that started them before (JAX used directly) keeps its pools.
+other's core (~1,600 involuntary context switches a second). Fewer is not always faster: one thread per pool
+made the bundled model's bf16 step 1.12x faster there and the bench model's fp32 step at 32 rows 0.86x
+(docs/benchmarks/serve.md), so it is a setting. It applies when torchbridge starts JAX's backends; a process
+that started them before (JAX used directly) keeps its pools.
 """
 
 from __future__ import annotations
