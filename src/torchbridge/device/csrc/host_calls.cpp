@@ -327,9 +327,29 @@ ffi::Error adagrad_step(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer s, ff
   return ffi::Error::Success();
 }
 
+// The serving engine's CPU kernels (serve/csrc), registered with PyTorch by its kernel library, called on XLA
+// buffers through PyTorch's dispatcher. Each op's handle is found once (the engine loads the library before any
+// program calls it); a failure (a bad index, no such key, no library) is the custom call's error with the op's
+// message, not a crash.
+constexpr char kPagedDecodeOp[] = "torchbridge_serve::paged_decode_attention";
+constexpr char kPrefillOp[] = "torchbridge_serve::prefill_attention";
+constexpr char kHeldLinearOp[] = "torchbridge_serve::held_linear";
+
+template <const char* Name, typename MakeStack>
+ffi::Error call_engine_op(MakeStack make_stack) {
+  c10::InferenceMode guard;
+  try {
+    static const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow(Name, "");
+    torch::jit::Stack stack = make_stack();
+    op.callBoxed(&stack);
+  } catch (const std::exception& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 // Paged decode attention: the serving engine's own CPU kernel (serve/csrc/paged_attention.cpp, registered
-// with PyTorch as torchbridge_serve::paged_decode_attention) on XLA buffers, called through PyTorch's
-// dispatcher, so the engine on the device reads each row's keys and values from the paged cache in place
+// with PyTorch as torchbridge_serve::paged_decode_attention) on XLA buffers, so the engine on the device reads each row's keys and values from the paged cache in place
 // as the engine on the CPU does; written in JAX, XLA:CPU gathered every row's context to a padded copy and
 // converted it to float32 (a b=32 bf16 decode step of the bundled model spent most of its program there).
 // q [R,H,D] and out in float32/bfloat16/float16; the caches in that dtype or as its bits (uint16: the
@@ -349,17 +369,10 @@ ffi::Error paged_decode(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
         "torchbridge paged decode: q, out and the caches float32/bfloat16/float16 (caches may be their uint16 "
         "bits), block tables and context lengths int32/int64");
   }
-  c10::InferenceMode guard;
-  try {  // (the op is found once; the engine's kernel library is loaded before any program calls it)
-    static const c10::OperatorHandle& op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::paged_decode_attention", "");
-    torch::jit::Stack stack{wrap(*out, st), wrap(q, st), wrap(k_cache, st), wrap(v_cache, st),
-                            wrap(tables, tt).to(at::kLong), wrap(lens, lt).to(at::kLong), scale, int64_t{0}};
-    op.callBoxed(&stack);
-  } catch (const std::exception& e) {  // a bad table or length, no kernel: its message, not a crash
-    return ffi::Error::InvalidArgument(e.what());
-  }
-  return ffi::Error::Success();
+  return call_engine_op<kPagedDecodeOp>([&] {
+    return torch::jit::Stack{wrap(*out, st), wrap(q, st), wrap(k_cache, st), wrap(v_cache, st),
+                             wrap(tables, tt).to(at::kLong), wrap(lens, lt).to(at::kLong), scale, int64_t{0}};
+  });
 }
 
 // Fresh prompts' attention, packed: the serving engine's CPU kernel (serve/csrc/prefill_attention.cpp,
@@ -376,16 +389,9 @@ ffi::Error prefill_attention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument(
         "torchbridge prefill attention: q, k, v and out float32/bfloat16/float16 of one dtype, spans int64");
   }
-  c10::InferenceMode guard;
-  try {
-    static const c10::OperatorHandle& op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::prefill_attention", "");
-    torch::jit::Stack stack{wrap(*out, st), wrap(q, st), wrap(k, st), wrap(v, st), wrap(spans, it), scale};
-    op.callBoxed(&stack);
-  } catch (const std::exception& e) {  // a span outside the rows, no kernel: its message, not a crash
-    return ffi::Error::InvalidArgument(e.what());
-  }
-  return ffi::Error::Success();
+  return call_engine_op<kPrefillOp>([&] {
+    return torch::jit::Stack{wrap(*out, st), wrap(q, st), wrap(k, st), wrap(v, st), wrap(spans, it), scale};
+  });
 }
 
 // A linear layer whose weight the serving engine's kernel library holds (serve/csrc/held_linear.cpp,
@@ -399,15 +405,7 @@ ffi::Error held_linear(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_
       out->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("torchbridge held linear: x and out float32, bfloat16 or float16, of one dtype");
   }
-  c10::InferenceMode guard;
-  try {
-    static const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow("torchbridge_serve::held_linear", "");
-    torch::jit::Stack stack{wrap(*out, st), wrap(x, st), key};
-    op.callBoxed(&stack);
-  } catch (const std::exception& e) {  // no such key, no kernel library: its message, not a crash
-    return ffi::Error::InvalidArgument(e.what());
-  }
-  return ffi::Error::Success();
+  return call_engine_op<kHeldLinearOp>([&] { return torch::jit::Stack{wrap(*out, st), wrap(x, st), key}; });
 }
 
 }  // namespace
