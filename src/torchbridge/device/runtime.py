@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jaxlib.xla_client import execution_stream_id
 
-from torchbridge.device import native
+from torchbridge.device import cpu_threads, native
 from torchbridge.device.storage import BufferTable
 
 # XLA's execution stream for programs that contain collectives (compute runs on stream 0): such a
@@ -51,8 +51,6 @@ class _State:
 
     @cached_property
     def platform(self) -> str:
-        from torchbridge.device import cpu_threads
-
         with cpu_threads.sized_pools():  # (TORCHBRIDGE_XLA_CPU_THREADS: XLA's CPU pools sized as they start)
             for hook in self.before_backend:
                 hook()

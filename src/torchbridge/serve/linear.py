@@ -134,8 +134,10 @@ AMX_MAX_ROWS = 32
 # bench/bench_serve_kernels.py --tiles, docs/benchmarks/serve_kernels_zen4.md).
 AVX512BF16_MAX_ROWS = 8
 TILE_MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512bf16": AVX512BF16_MAX_ROWS}
-# `held_rows` of a layer whose every call goes to the held weight (a bf16 layer held with tiles)
-HELD_EVERY_CALL = (1, 1 << 62)
+# The top of a `held_rows` range that has none, and the range of a layer whose every call goes to the held weight
+# (a bf16 layer held with tiles)
+NO_ROW_LIMIT = 1 << 62
+HELD_EVERY_CALL = (1, NO_ROW_LIMIT)
 
 
 def always_held(m: Linear) -> bool:
@@ -259,7 +261,7 @@ def hold(model: nn.Module, panels: bool = False, tiles: str | None = None) -> in
             m.held = cpu_kernels.hold_packed_weight(w, bias, tiles, TILE_MAX_ROWS[tiles])
             m.held_rows = HELD_EVERY_CALL
         else:
-            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, HELD_EVERY_CALL[1])
+            m.held, m.held_rows = cpu_kernels.hold_packed_weight(w, bias), (HELD_MIN_ROWS, NO_ROW_LIMIT)
         n += 1
     return n
 

@@ -349,8 +349,8 @@ ffi::Error call_engine_op(MakeStack make_stack) {
 }
 
 // Paged decode attention: the serving engine's own CPU kernel (serve/csrc/paged_attention.cpp, registered
-// with PyTorch as torchbridge_serve::paged_decode_attention) on XLA buffers, so the engine on the device reads each row's keys and values from the paged cache in place
-// as the engine on the CPU does; written in JAX, XLA:CPU gathered every row's context to a padded copy and
+// with PyTorch as torchbridge_serve::paged_decode_attention) on XLA buffers, so the engine on the device
+// reads each row's keys and values from the paged cache in place as the engine on the CPU does; written in JAX, XLA:CPU gathered every row's context to a padded copy and
 // converted it to float32 (a b=32 bf16 decode step of the bundled model spent most of its program there).
 // q [R,H,D] and out in float32/bfloat16/float16; the caches in that dtype or as its bits (uint16: the
 // device moves 16-bit floats as bits on this platform); block tables [R,max_blocks] and context lengths
